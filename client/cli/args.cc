@@ -1,0 +1,52 @@
+// Parsing of `--name value` options.
+#include "args.h"
+
+#include <algorithm>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace kvferry::cli {
+
+absl::StatusOr<Args> Args::Parse(const std::vector<std::string>& words,
+                                 std::initializer_list<std::string_view> allowed) {
+  Args args;
+  for (size_t i = 0; i < words.size(); i += 2) {
+    const std::string& word = words[i];
+    if (word.size() < 3 || word.rfind("--", 0) != 0) {
+      return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", word, "'"));
+    }
+    std::string name = word.substr(2);
+    if (std::find(allowed.begin(), allowed.end(), name) == allowed.end()) {
+      return absl::InvalidArgumentError(absl::StrCat("unknown option --", name));
+    }
+    if (i + 1 >= words.size()) {
+      return absl::InvalidArgumentError(absl::StrCat("option --", name, " needs a value"));
+    }
+    if (!args.values_.emplace(name, words[i + 1]).second) {
+      return absl::InvalidArgumentError(absl::StrCat("option --", name, " given twice"));
+    }
+  }
+  return args;
+}
+
+absl::StatusOr<std::string> Args::Get(std::string_view name) const {
+  auto it = values_.find(name);
+  if (it == values_.end()) {
+    return absl::InvalidArgumentError(absl::StrCat("missing option --", name));
+  }
+  return it->second;
+}
+
+absl::StatusOr<int64_t> Args::GetInt(std::string_view name) const {
+  absl::StatusOr<std::string> text = Get(name);
+  if (!text.ok()) return text.status();
+  int64_t value;
+  if (!absl::SimpleAtoi(*text, &value)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("option --", name, " takes an integer, got '", *text, "'"));
+  }
+  return value;
+}
+
+}  // namespace kvferry::cli

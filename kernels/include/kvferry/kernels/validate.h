@@ -1,0 +1,28 @@
+// Host-side validation of op inputs, shared by the CPU reference, the CUDA launchers and
+// the daemon. Each check returns INVALID_ARGUMENT with a message naming the offending
+// index and value, or OK.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "absl/status/status.h"
+#include "kvferry/kernels/format.h"
+
+namespace kvferry {
+
+// Layout in range, page size a power of two in [1, 4096], num_pages > 0.
+absl::Status ValidateGeometry(const PoolGeometry& geometry);
+
+// `num_values` bf16 values form whole 512-value rows.
+absl::Status ValidateRowShape(int64_t num_values, int64_t num_rows);
+
+// No NaN or ±Inf among the rows. `first_row` offsets the row index in the message (for
+// callers that validate a stream chunk by chunk).
+absl::Status ValidateFinite(std::span<const uint16_t> rows, int64_t first_row = 0);
+
+// Every location in [0, limit); when `unique`, no location appears twice.
+absl::Status ValidateLocations(std::span<const int64_t> locs, int64_t limit, bool unique,
+                               const char* what = "location");
+
+}  // namespace kvferry
