@@ -9,7 +9,7 @@
 namespace kvferry::cli {
 
 absl::StatusOr<Args> Args::Parse(const std::vector<std::string>& words,
-                                 std::initializer_list<std::string_view> allowed) {
+                                 std::initializer_list<absl::string_view> allowed) {
   Args args;
   for (size_t i = 0; i < words.size(); i += 2) {
     const std::string& word = words[i];
@@ -17,7 +17,7 @@ absl::StatusOr<Args> Args::Parse(const std::vector<std::string>& words,
       return absl::InvalidArgumentError(absl::StrCat("unexpected argument '", word, "'"));
     }
     std::string name = word.substr(2);
-    if (std::find(allowed.begin(), allowed.end(), name) == allowed.end()) {
+    if (std::find(allowed.begin(), allowed.end(), absl::string_view(name)) == allowed.end()) {
       return absl::InvalidArgumentError(absl::StrCat("unknown option --", name));
     }
     if (i + 1 >= words.size()) {
@@ -30,7 +30,7 @@ absl::StatusOr<Args> Args::Parse(const std::vector<std::string>& words,
   return args;
 }
 
-absl::StatusOr<std::string> Args::Get(std::string_view name) const {
+absl::StatusOr<std::string> Args::Get(absl::string_view name) const {
   auto it = values_.find(name);
   if (it == values_.end()) {
     return absl::InvalidArgumentError(absl::StrCat("missing option --", name));
@@ -38,7 +38,7 @@ absl::StatusOr<std::string> Args::Get(std::string_view name) const {
   return it->second;
 }
 
-absl::StatusOr<int64_t> Args::GetInt(std::string_view name) const {
+absl::StatusOr<int64_t> Args::GetInt(absl::string_view name) const {
   absl::StatusOr<std::string> text = Get(name);
   if (!text.ok()) return text.status();
   int64_t value;

@@ -8,7 +8,7 @@
 #include <initializer_list>
 #include <map>
 #include <string>
-#include <string_view>
+#include "absl/strings/string_view.h"
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -20,12 +20,12 @@ class Args {
   // Parses argv-style `--name value` pairs. Fails on a positional word, an unknown name,
   // a repeated name or a missing value. `allowed` lists the names the subcommand takes.
   static absl::StatusOr<Args> Parse(const std::vector<std::string>& words,
-                                    std::initializer_list<std::string_view> allowed);
+                                    std::initializer_list<absl::string_view> allowed);
 
   // The value of a required option; error when absent.
-  absl::StatusOr<std::string> Get(std::string_view name) const;
+  absl::StatusOr<std::string> Get(absl::string_view name) const;
   // A required option parsed as a base-10 integer.
-  absl::StatusOr<int64_t> GetInt(std::string_view name) const;
+  absl::StatusOr<int64_t> GetInt(absl::string_view name) const;
 
  private:
   std::map<std::string, std::string, std::less<>> values_;
