@@ -1,0 +1,210 @@
+// CUDA kernel benchmark: bandwidth at 1M tokens against a device-to-device copy measured in
+// the same run, per-launch latency by graph replay, and page gather/scatter throughput.
+//
+// Usage: kernel_bench [--tokens N] [--reps R]   (prints a Markdown table)
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "common/cuda_testing.h"
+#include "common/random_rows.h"
+#include "kvferry/kernels/cuda_ops.h"
+
+namespace kvferry {
+namespace {
+
+using testing::CudaCheck;
+using testing::DeviceBuffer;
+
+void Ok(const absl::Status& s) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "kernel_bench: %s\n", s.ToString().c_str());
+    std::exit(1);
+  }
+}
+
+// Median milliseconds of `reps` timed runs of `body` (after two warm-ups).
+double MedianMs(int reps, const std::function<void()>& body) {
+  cudaEvent_t start, stop;
+  CudaCheck(cudaEventCreate(&start), "event");
+  CudaCheck(cudaEventCreate(&stop), "event");
+  body();
+  body();
+  std::vector<float> times;
+  for (int i = 0; i < reps; ++i) {
+    CudaCheck(cudaEventRecord(start), "record");
+    body();
+    CudaCheck(cudaEventRecord(stop), "record");
+    CudaCheck(cudaEventSynchronize(stop), "sync");
+    float ms;
+    CudaCheck(cudaEventElapsedTime(&ms, start, stop), "elapsed");
+    times.push_back(ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+// Median per-launch microseconds: a graph of `launches` captured launches, replayed.
+double GraphLaunchUs(int reps, int launches, const std::function<void(cudaStream_t)>& launch) {
+  cudaStream_t stream;
+  CudaCheck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CudaCheck(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "capture");
+  for (int i = 0; i < launches; ++i) launch(stream);
+  CudaCheck(cudaStreamEndCapture(stream, &graph), "end capture");
+  CudaCheck(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  std::vector<float> times;
+  for (int i = 0; i < reps + 3; ++i) {
+    cudaEventRecord(start, stream);
+    CudaCheck(cudaGraphLaunch(exec, stream), "graph launch");
+    cudaEventRecord(stop, stream);
+    CudaCheck(cudaEventSynchronize(stop), "sync");
+    float ms;
+    cudaEventElapsedTime(&ms, start, stop);
+    if (i >= 3) times.push_back(ms);
+  }
+  std::sort(times.begin(), times.end());
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return 1000.0 * times[times.size() / 2] / launches;
+}
+
+int Main(int argc, char** argv) {
+  int64_t tokens = 1 << 20;
+  int reps = 30;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--tokens")) tokens = std::atoll(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
+  }
+  cudaDeviceProp prop;
+  CudaCheck(cudaGetDeviceProperties(&prop, 0), "device");
+  std::printf("device: %s, %d SMs, L2 %d MiB\n\n", prop.name, prop.multiProcessorCount,
+              prop.l2CacheSize >> 20);
+
+  // Ceiling: device-to-device copy of 1 GiB (bytes read + written per second).
+  const size_t copy_bytes = size_t{1} << 30;
+  DeviceBuffer a(copy_bytes), b(copy_bytes);
+  const double copy_ms = MedianMs(reps, [&] {
+    CudaCheck(cudaMemcpyAsync(b.as<void>(), a.as<void>(), copy_bytes, cudaMemcpyDeviceToDevice), "copy");
+  });
+  const double ceiling = 2.0 * copy_bytes / (copy_ms * 1e-3) / 1e9;
+  std::printf("| figure | layout | value | ceiling | fraction |\n|---|---|---|---|---|\n");
+  std::printf("| D2D copy 1 GiB (read+write) | - | %.0f GB/s | - | - |\n", ceiling);
+
+  const int page_size = 64;
+  const auto host_rows = testing::RandomRows(4096, 1);
+  std::vector<uint16_t> rows(tokens * kHeadDim);
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::memcpy(&rows[t * kHeadDim], &host_rows[(t % 4096) * kHeadDim], kBf16RowBytes);
+  }
+  DeviceBuffer d_rows(rows);
+  rows.clear();
+  rows.shrink_to_fit();
+  const auto locs = testing::ScatteredLocations(tokens, tokens, 2);
+  DeviceBuffer d_locs(locs);
+  DeviceBuffer d_out(tokens * kBf16RowBytes);
+
+  for (Layout layout : {Layout::kV4, Layout::kV41, Layout::kV41Fp4}) {
+    const PoolGeometry g{layout, page_size, tokens / page_size};
+    DeviceBuffer pool(g.pool_bytes());
+    const double record = GetLayoutInfo(layout).bytes_per_token();
+    const double q_ms = MedianMs(reps, [&] {
+      Ok(cuda::QuantizeStore({g, d_rows.as<uint16_t>(), d_locs.as<int64_t>(), tokens,
+                              pool.as<uint8_t>()}, nullptr));
+    });
+    const double q_gbs = tokens * (kBf16RowBytes + 8 + record) / (q_ms * 1e-3) / 1e9;
+    std::printf("| quantize-store %lld tokens | %s | %.0f GB/s (%.1f Gtok/s) | %.0f GB/s | %.1f %% |\n",
+                (long long)tokens, LayoutName(layout), q_gbs, tokens / (q_ms * 1e-3) / 1e9,
+                ceiling, 100.0 * q_gbs / ceiling);
+    const double d_ms = MedianMs(reps, [&] {
+      Ok(cuda::DequantizeGather({g, pool.as<uint8_t>(), d_locs.as<int64_t>(), tokens,
+                                 d_out.as<uint16_t>(), kHeadDim}, nullptr));
+    });
+    const double d_gbs = tokens * (kBf16RowBytes + 8 + record) / (d_ms * 1e-3) / 1e9;
+    std::printf("| dequantize-gather %lld tokens | %s | %.0f GB/s (%.1f Gtok/s) | %.0f GB/s | %.1f %% |\n",
+                (long long)tokens, LayoutName(layout), d_gbs, tokens / (d_ms * 1e-3) / 1e9,
+                ceiling, 100.0 * d_gbs / ceiling);
+    if (layout != Layout::kV4) {
+      const PoolGeometry v4{Layout::kV4, page_size, g.num_pages};
+      DeviceBuffer dst(v4.pool_bytes());
+      const double t_ms = MedianMs(reps, [&] {
+        Ok(cuda::Transcode({g, pool.as<uint8_t>(), v4, dst.as<uint8_t>(), d_locs.as<int64_t>(),
+                            tokens}, nullptr));
+      });
+      const double t_gbs = tokens * (record + 8 + 584) / (t_ms * 1e-3) / 1e9;
+      std::printf("| transcode to v4 %lld tokens | %s | %.0f GB/s (%.1f Gtok/s) | %.0f GB/s | %.1f %% |\n",
+                  (long long)tokens, LayoutName(layout), t_gbs, tokens / (t_ms * 1e-3) / 1e9,
+                  ceiling, 100.0 * t_gbs / ceiling);
+    }
+  }
+
+  std::printf("\n| quantize-store latency (graph replay, per launch) | layout | 1 | 8 | 64 | 512 tokens |\n|---|---|---|---|---|---|\n");
+  for (Layout layout : {Layout::kV4, Layout::kV41, Layout::kV41Fp4}) {
+    const PoolGeometry g{layout, page_size, 1024};
+    DeviceBuffer pool(g.pool_bytes());
+    std::printf("| µs | %s", LayoutName(layout));
+    for (int64_t n : {1, 8, 64, 512}) {
+      const auto small_locs = testing::ScatteredLocations(n, g.num_tokens(), 3);
+      DeviceBuffer d_small(small_locs);
+      const double us = GraphLaunchUs(reps, 200, [&](cudaStream_t s) {
+        Ok(cuda::QuantizeStore({g, d_rows.as<uint16_t>(), d_small.as<int64_t>(), n,
+                                pool.as<uint8_t>()}, s));
+      });
+      std::printf(" | %.2f", us);
+    }
+    std::printf(" |\n");
+  }
+
+  // Page gather: 4096 V4 pages of 64 tokens, 1 layer, to device and to pinned host memory.
+  {
+    const PageCopyGeometry g{PageBytes(Layout::kV4, page_size), 8192, 1};
+    DeviceBuffer pool(g.pool_bytes());
+    std::vector<int64_t> pages(4096);
+    std::iota(pages.begin(), pages.end(), 0);
+    std::reverse(pages.begin(), pages.end());
+    DeviceBuffer d_pages(pages), d_buffer(g.buffer_bytes(pages.size()));
+    testing::PinnedBuffer pinned(g.buffer_bytes(pages.size()));
+    const double bytes = static_cast<double>(g.buffer_bytes(pages.size()));
+    const double dev_ms = MedianMs(reps, [&] {
+      Ok(cuda::GatherPages({g, pool.as<uint8_t>(), d_pages.as<int64_t>(), 4096,
+                            d_buffer.as<uint8_t>()}, nullptr));
+    });
+    const double host_ms = MedianMs(reps, [&] {
+      Ok(cuda::GatherPages({g, pool.as<uint8_t>(), d_pages.as<int64_t>(), 4096, pinned.data()},
+                           nullptr));
+    });
+    const double d2h_ms = MedianMs(reps, [&] {
+      CudaCheck(cudaMemcpyAsync(pinned.data(), d_buffer.as<void>(), bytes, cudaMemcpyDeviceToHost), "d2h");
+    });
+    std::printf("\n| page gather (4096 v4 pages, %.0f MB) | value | ceiling | fraction |\n|---|---|---|---|\n",
+                bytes / 1e6);
+    std::printf("| to device buffer (read+write) | %.0f GB/s | %.0f GB/s (D2D copy) | %.1f %% |\n",
+                2 * bytes / (dev_ms * 1e-3) / 1e9, ceiling,
+                100.0 * 2 * bytes / (dev_ms * 1e-3) / 1e9 / ceiling);
+    std::printf("| to pinned host | %.1f GB/s | %.1f GB/s (cudaMemcpy D2H) | %.1f %% |\n",
+                bytes / (host_ms * 1e-3) / 1e9, bytes / (d2h_ms * 1e-3) / 1e9,
+                100.0 * d2h_ms / host_ms);
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvferry
+
+int main(int argc, char** argv) { return kvferry::Main(argc, argv); }

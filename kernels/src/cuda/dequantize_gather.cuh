@@ -1,0 +1,60 @@
+// dequantize-gather: [n] locations → [n, 512] bf16 workspace rows at any row stride.
+#pragma once
+
+#include "record.cuh"
+
+namespace kvferry::cuda::detail {
+
+template <Layout L, int kLog2Page, bool kAlignedOut>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    DequantizeGatherKernel(const uint8_t* __restrict__ pool,
+                           const int64_t* __restrict__ locs,  // [n]
+                           int64_t num_tokens, int64_t pool_tokens,
+                           uint16_t* __restrict__ out,  // [n, out_row_stride] bf16
+                           int64_t out_row_stride) {
+  const int lane = threadIdx.x & (kWarp - 1);
+  const int64_t token = int64_t{blockIdx.x} * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (token >= num_tokens) return;
+  const int64_t loc = __ldg(locs + token);
+  if (loc < 0 || loc >= pool_tokens) return;
+  int64_t data, scale;
+  Addressing<L, kLog2Page>::Locate(loc, data, scale);
+  LaneRow r;
+  LoadRecord<L>(pool + data, pool + scale, lane, r);
+  uint16_t* row = out + token * out_row_stride;
+#pragma unroll
+  for (int k = 0; k < kChunksPerLane; ++k) {
+    uint16_t* dst = row + kChunk * ChunkOf(lane, k);
+    if constexpr (kAlignedOut) {
+      uint4 packed;
+      packed.x = r.bits[k][0] | (uint32_t{r.bits[k][1]} << 16);
+      packed.y = r.bits[k][2] | (uint32_t{r.bits[k][3]} << 16);
+      packed.z = r.bits[k][4] | (uint32_t{r.bits[k][5]} << 16);
+      packed.w = r.bits[k][6] | (uint32_t{r.bits[k][7]} << 16);
+      *reinterpret_cast<uint4*>(dst) = packed;
+    } else {
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) dst[j] = r.bits[k][j];
+    }
+  }
+}
+
+template <Layout L>
+absl::Status LaunchDequantizeGather(const DequantizeGatherParams& p, cudaStream_t stream) {
+  const bool aligned =
+      reinterpret_cast<uintptr_t>(p.out) % 16 == 0 && p.out_row_stride % kChunk == 0;
+  return DispatchPageSize(p.geometry.page_size, [&](auto log2_page) {
+    constexpr int kLog2Page = decltype(log2_page)::value;
+    const unsigned blocks = static_cast<unsigned>(BlocksFor(p.num_tokens));
+    if (aligned) {
+      DequantizeGatherKernel<L, kLog2Page, true><<<blocks, kThreadsPerBlock, 0, stream>>>(
+          p.pool, p.locs, p.num_tokens, p.geometry.num_tokens(), p.out, p.out_row_stride);
+    } else {
+      DequantizeGatherKernel<L, kLog2Page, false><<<blocks, kThreadsPerBlock, 0, stream>>>(
+          p.pool, p.locs, p.num_tokens, p.geometry.num_tokens(), p.out, p.out_row_stride);
+    }
+    return CheckLaunch("DequantizeGatherKernel");
+  });
+}
+
+}  // namespace kvferry::cuda::detail

@@ -1,0 +1,7 @@
+// dequantize-gather instantiations for Layout::kV41Fp4 (all page sizes, both output paths).
+#include "dequantize_gather.cuh"
+
+namespace kvferry::cuda::detail {
+template absl::Status LaunchDequantizeGather<Layout::kV41Fp4>(const DequantizeGatherParams&,
+                                                         cudaStream_t);
+}  // namespace kvferry::cuda::detail

@@ -1,0 +1,125 @@
+// Host entry points of the CUDA ops: validate params, pick the layout's instantiation.
+#include "record.cuh"
+#include "kvferry/kernels/validate.h"
+
+namespace kvferry::cuda {
+namespace {
+
+absl::Status CheckTokens(int64_t num_tokens) {
+  if (num_tokens < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("negative token count ", num_tokens));
+  }
+  // Grid x is limited to 2^31 - 1 blocks of 8 tokens.
+  if (num_tokens > (int64_t{0x7FFFFFFF} * detail::kWarpsPerBlock)) {
+    return absl::InvalidArgumentError(absl::StrCat(num_tokens, " tokens in one launch is too many"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CheckAligned(const void* pointer, const char* what) {
+  if (pointer == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " pointer is null"));
+  }
+  if (reinterpret_cast<uintptr_t>(pointer) % 16 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " pointer is not 16-byte aligned"));
+  }
+  return absl::OkStatus();
+}
+
+#define KVF_RETURN_IF_ERROR(expr)            \
+  if (absl::Status _s = (expr); !_s.ok()) { \
+    return _s;                               \
+  }
+
+}  // namespace
+
+absl::Status CudaStatus(cudaError_t error, const char* what) {
+  if (error == cudaSuccess) return absl::OkStatus();
+  const std::string message = absl::StrCat(what, ": ", cudaGetErrorString(error));
+  switch (error) {
+    case cudaErrorMemoryAllocation:
+      return absl::ResourceExhaustedError(message);
+    case cudaErrorInvalidValue:
+    case cudaErrorInvalidDevicePointer:
+      return absl::InvalidArgumentError(message);
+    case cudaErrorNoDevice:
+    case cudaErrorInsufficientDriver:
+      return absl::UnavailableError(message);
+    default:
+      return absl::InternalError(message);
+  }
+}
+
+absl::Status QuantizeStore(const QuantizeStoreParams& p, cudaStream_t stream) {
+  KVF_RETURN_IF_ERROR(ValidateGeometry(p.geometry));
+  KVF_RETURN_IF_ERROR(CheckTokens(p.num_tokens));
+  if (p.num_tokens == 0) return absl::OkStatus();
+  KVF_RETURN_IF_ERROR(CheckAligned(p.rows, "rows"));
+  KVF_RETURN_IF_ERROR(CheckAligned(p.pool, "pool"));
+  if (p.locs == nullptr) return absl::InvalidArgumentError("locations pointer is null");
+  switch (p.geometry.layout) {
+    case Layout::kV4:
+      return detail::LaunchQuantizeStore<Layout::kV4>(p, stream);
+    case Layout::kV41:
+      return detail::LaunchQuantizeStore<Layout::kV41>(p, stream);
+    case Layout::kV41Fp4:
+      return detail::LaunchQuantizeStore<Layout::kV41Fp4>(p, stream);
+  }
+  return absl::InvalidArgumentError("unknown layout");
+}
+
+absl::Status DequantizeGather(const DequantizeGatherParams& p, cudaStream_t stream) {
+  KVF_RETURN_IF_ERROR(ValidateGeometry(p.geometry));
+  KVF_RETURN_IF_ERROR(CheckTokens(p.num_tokens));
+  if (p.out_row_stride < kHeadDim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("workspace row stride ", p.out_row_stride, " is below ", kHeadDim));
+  }
+  if (p.num_tokens == 0) return absl::OkStatus();
+  KVF_RETURN_IF_ERROR(CheckAligned(p.pool, "pool"));
+  if (p.locs == nullptr || p.out == nullptr) {
+    return absl::InvalidArgumentError("locations or workspace pointer is null");
+  }
+  if (reinterpret_cast<uintptr_t>(p.out) % 2 != 0) {
+    return absl::InvalidArgumentError("workspace pointer is not 2-byte aligned");
+  }
+  switch (p.geometry.layout) {
+    case Layout::kV4:
+      return detail::LaunchDequantizeGather<Layout::kV4>(p, stream);
+    case Layout::kV41:
+      return detail::LaunchDequantizeGather<Layout::kV41>(p, stream);
+    case Layout::kV41Fp4:
+      return detail::LaunchDequantizeGather<Layout::kV41Fp4>(p, stream);
+  }
+  return absl::InvalidArgumentError("unknown layout");
+}
+
+absl::Status Transcode(const TranscodeParams& p, cudaStream_t stream) {
+  KVF_RETURN_IF_ERROR(ValidateGeometry(p.from));
+  KVF_RETURN_IF_ERROR(ValidateGeometry(p.to));
+  KVF_RETURN_IF_ERROR(CheckTokens(p.num_tokens));
+  if (p.from.page_size != p.to.page_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "transcode on the GPU keeps the page size: ", p.from.page_size, " vs ", p.to.page_size));
+  }
+  if (p.num_tokens == 0) return absl::OkStatus();
+  KVF_RETURN_IF_ERROR(CheckAligned(p.src, "source pool"));
+  KVF_RETURN_IF_ERROR(CheckAligned(p.dst, "destination pool"));
+  if (p.locs == nullptr) return absl::InvalidArgumentError("locations pointer is null");
+  const uint8_t* src_end = p.src + p.from.pool_bytes();
+  const uint8_t* dst_end = p.dst + p.to.pool_bytes();
+  if (p.src < dst_end && p.dst < src_end) {
+    return absl::InvalidArgumentError("transcode source and destination pools overlap");
+  }
+  switch (p.from.layout) {
+    case Layout::kV4:
+      return detail::LaunchTranscode<Layout::kV4>(p, stream);
+    case Layout::kV41:
+      return detail::LaunchTranscode<Layout::kV41>(p, stream);
+    case Layout::kV41Fp4:
+      return detail::LaunchTranscode<Layout::kV41Fp4>(p, stream);
+  }
+  return absl::InvalidArgumentError("unknown layout");
+}
+
+}  // namespace kvferry::cuda

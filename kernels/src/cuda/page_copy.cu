@@ -1,0 +1,76 @@
+// Page gather/scatter between a layer-stacked pool and a contiguous transfer buffer.
+#include "record.cuh"
+
+namespace kvferry::cuda::detail {
+namespace {
+
+constexpr int kCopyThreads = 256;
+
+// One block per (listed page, layer): copies page_bytes / sizeof(Word) words.
+template <bool kGather, typename Word>
+__global__ void __launch_bounds__(kCopyThreads)
+    PageCopyKernel(uint8_t* __restrict__ pool, const int64_t* __restrict__ pages,
+                   int num_layers, int64_t num_pages, int64_t page_bytes,
+                   uint8_t* __restrict__ buffer) {
+  const int64_t unit = blockIdx.x;  // listed * num_layers + layer
+  const int64_t listed = unit / num_layers;
+  const int64_t layer = unit - listed * num_layers;
+  const int64_t page = __ldg(pages + listed);
+  if (page < 0 || page >= num_pages) return;
+  Word* pool_page = reinterpret_cast<Word*>(pool + (layer * num_pages + page) * page_bytes);
+  Word* buffer_page = reinterpret_cast<Word*>(buffer + unit * page_bytes);
+  const int64_t words = page_bytes / static_cast<int64_t>(sizeof(Word));
+  for (int64_t i = threadIdx.x; i < words; i += kCopyThreads) {
+    if constexpr (kGather) {
+      buffer_page[i] = pool_page[i];
+    } else {
+      pool_page[i] = buffer_page[i];
+    }
+  }
+}
+
+template <bool kGather>
+absl::Status LaunchPageCopy(const PageCopyParams& p, cudaStream_t stream) {
+  const PageCopyGeometry& g = p.geometry;
+  if (g.page_bytes <= 0 || g.num_pages <= 0 || g.num_layers <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "page copy geometry needs positive sizes, got page_bytes ", g.page_bytes,
+        ", num_pages ", g.num_pages, ", num_layers ", g.num_layers));
+  }
+  if (p.num_listed < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("negative page count ", p.num_listed));
+  }
+  if (p.num_listed == 0) return absl::OkStatus();
+  if (p.pool == nullptr || p.pages == nullptr || p.buffer == nullptr) {
+    return absl::InvalidArgumentError("page copy needs pool, pages and buffer pointers");
+  }
+  const int64_t units = p.num_listed * g.num_layers;
+  if (units > int64_t{0x7FFFFFFF}) {
+    return absl::InvalidArgumentError(absl::StrCat(units, " page-layers in one copy is too many"));
+  }
+  const bool aligned = g.page_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(p.pool) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(p.buffer) % 16 == 0;
+  if (aligned) {
+    PageCopyKernel<kGather, uint4><<<static_cast<unsigned>(units), kCopyThreads, 0, stream>>>(
+        p.pool, p.pages, g.num_layers, g.num_pages, g.page_bytes, p.buffer);
+  } else {
+    PageCopyKernel<kGather, uint8_t><<<static_cast<unsigned>(units), kCopyThreads, 0, stream>>>(
+        p.pool, p.pages, g.num_layers, g.num_pages, g.page_bytes, p.buffer);
+  }
+  return CheckLaunch(kGather ? "PageCopyKernel<gather>" : "PageCopyKernel<scatter>");
+}
+
+}  // namespace
+}  // namespace kvferry::cuda::detail
+
+namespace kvferry::cuda {
+
+absl::Status GatherPages(const PageCopyParams& params, cudaStream_t stream) {
+  return detail::LaunchPageCopy<true>(params, stream);
+}
+
+absl::Status ScatterPages(const PageCopyParams& params, cudaStream_t stream) {
+  return detail::LaunchPageCopy<false>(params, stream);
+}
+
+}  // namespace kvferry::cuda

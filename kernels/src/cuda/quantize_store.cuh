@@ -1,0 +1,37 @@
+// quantize-store: [n, 512] bf16 rows + [n] locations → records in the pool.
+#pragma once
+
+#include "record.cuh"
+
+namespace kvferry::cuda::detail {
+
+template <Layout L, int kLog2Page>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    QuantizeStoreKernel(const uint16_t* __restrict__ rows,  // [n, 512] bf16
+                        const int64_t* __restrict__ locs,   // [n]
+                        int64_t num_tokens, int64_t pool_tokens,
+                        uint8_t* __restrict__ pool) {
+  const int lane = threadIdx.x & (kWarp - 1);
+  const int64_t token = int64_t{blockIdx.x} * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (token >= num_tokens) return;
+  const int64_t loc = __ldg(locs + token);
+  if (loc < 0 || loc >= pool_tokens) return;  // validated by the caller; never write outside
+  LaneRow r;
+  LoadBf16Row(rows + token * kHeadDim, lane, r);
+  int64_t data, scale;
+  Addressing<L, kLog2Page>::Locate(loc, data, scale);
+  StoreRecord<L>(r, lane, pool + data, pool + scale);
+}
+
+template <Layout L>
+absl::Status LaunchQuantizeStore(const QuantizeStoreParams& p, cudaStream_t stream) {
+  return DispatchPageSize(p.geometry.page_size, [&](auto log2_page) {
+    constexpr int kLog2Page = decltype(log2_page)::value;
+    QuantizeStoreKernel<L, kLog2Page>
+        <<<static_cast<unsigned>(BlocksFor(p.num_tokens)), kThreadsPerBlock, 0, stream>>>(
+            p.rows, p.locs, p.num_tokens, p.geometry.num_tokens(), p.pool);
+    return CheckLaunch("QuantizeStoreKernel");
+  });
+}
+
+}  // namespace kvferry::cuda::detail

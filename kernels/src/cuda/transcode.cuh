@@ -1,0 +1,52 @@
+// transcode: the records at [n] locations of a pool in layout From → the same locations of
+// a pool in layout To, as quantize_To(dequantize_From(row)).
+#pragma once
+
+#include "record.cuh"
+
+namespace kvferry::cuda::detail {
+
+template <Layout From, Layout To, int kLog2Page>
+__global__ void __launch_bounds__(kThreadsPerBlock)
+    TranscodeKernel(const uint8_t* __restrict__ src, const int64_t* __restrict__ locs,
+                    int64_t num_tokens, int64_t pool_tokens, uint8_t* __restrict__ dst) {
+  const int lane = threadIdx.x & (kWarp - 1);
+  const int64_t token = int64_t{blockIdx.x} * kWarpsPerBlock + (threadIdx.x >> 5);
+  if (token >= num_tokens) return;
+  const int64_t loc = __ldg(locs + token);
+  if (loc < 0 || loc >= pool_tokens) return;
+  int64_t data, scale;
+  Addressing<From, kLog2Page>::Locate(loc, data, scale);
+  LaneRow r;
+  LoadRecord<From>(src + data, src + scale, lane, r);
+  Addressing<To, kLog2Page>::Locate(loc, data, scale);
+  StoreRecord<To>(r, lane, dst + data, dst + scale);
+}
+
+template <Layout From, Layout To>
+absl::Status LaunchTranscodeTo(const TranscodeParams& p, cudaStream_t stream) {
+  const int64_t pool_tokens = p.from.num_tokens() < p.to.num_tokens() ? p.from.num_tokens()
+                                                                      : p.to.num_tokens();
+  return DispatchPageSize(p.from.page_size, [&](auto log2_page) {
+    constexpr int kLog2Page = decltype(log2_page)::value;
+    TranscodeKernel<From, To, kLog2Page>
+        <<<static_cast<unsigned>(BlocksFor(p.num_tokens)), kThreadsPerBlock, 0, stream>>>(
+            p.src, p.locs, p.num_tokens, pool_tokens, p.dst);
+    return CheckLaunch("TranscodeKernel");
+  });
+}
+
+template <Layout From>
+absl::Status LaunchTranscode(const TranscodeParams& p, cudaStream_t stream) {
+  switch (p.to.layout) {
+    case Layout::kV4:
+      return LaunchTranscodeTo<From, Layout::kV4>(p, stream);
+    case Layout::kV41:
+      return LaunchTranscodeTo<From, Layout::kV41>(p, stream);
+    case Layout::kV41Fp4:
+      return LaunchTranscodeTo<From, Layout::kV41Fp4>(p, stream);
+  }
+  return absl::InvalidArgumentError("unknown destination layout");
+}
+
+}  // namespace kvferry::cuda::detail

@@ -1,0 +1,6 @@
+// transcode instantiations from Layout::kV41 to every layout (all page sizes).
+#include "transcode.cuh"
+
+namespace kvferry::cuda::detail {
+template absl::Status LaunchTranscode<Layout::kV41>(const TranscodeParams&, cudaStream_t);
+}  // namespace kvferry::cuda::detail
