@@ -117,10 +117,15 @@ int Main(int argc, char** argv) {
   rows.clear();
   rows.shrink_to_fit();
   const auto locs = testing::ScatteredLocations(tokens, tokens, 2);
-  DeviceBuffer d_locs(locs);
+  std::vector<int64_t> sequential(tokens);
+  std::iota(sequential.begin(), sequential.end(), 0);
+  DeviceBuffer d_scattered(locs), d_sequential(sequential);
   DeviceBuffer d_out(tokens * kBf16RowBytes);
 
+  for (const bool scattered : {false, true})
   for (Layout layout : {Layout::kV4, Layout::kV41, Layout::kV41Fp4}) {
+    const char* order = scattered ? "scattered" : "sequential";
+    const DeviceBuffer& d_locs = scattered ? d_scattered : d_sequential;
     const PoolGeometry g{layout, page_size, tokens / page_size};
     DeviceBuffer pool(g.pool_bytes());
     const double record = GetLayoutInfo(layout).bytes_per_token();
@@ -129,16 +134,16 @@ int Main(int argc, char** argv) {
                               pool.as<uint8_t>()}, nullptr));
     });
     const double q_gbs = tokens * (kBf16RowBytes + 8 + record) / (q_ms * 1e-3) / 1e9;
-    std::printf("| quantize-store %lld tokens | %s | %.0f GB/s (%.1f Gtok/s) | %.0f GB/s | %.1f %% |\n",
-                (long long)tokens, LayoutName(layout), q_gbs, tokens / (q_ms * 1e-3) / 1e9,
+    std::printf("| quantize-store %lld tokens, %s | %s | %.0f GB/s (%.1f Gtok/s) | %.0f GB/s | %.1f %% |\n",
+                (long long)tokens, order, LayoutName(layout), q_gbs, tokens / (q_ms * 1e-3) / 1e9,
                 ceiling, 100.0 * q_gbs / ceiling);
     const double d_ms = MedianMs(reps, [&] {
       Ok(cuda::DequantizeGather({g, pool.as<uint8_t>(), d_locs.as<int64_t>(), tokens,
                                  d_out.as<uint16_t>(), kHeadDim}, nullptr));
     });
     const double d_gbs = tokens * (kBf16RowBytes + 8 + record) / (d_ms * 1e-3) / 1e9;
-    std::printf("| dequantize-gather %lld tokens | %s | %.0f GB/s (%.1f Gtok/s) | %.0f GB/s | %.1f %% |\n",
-                (long long)tokens, LayoutName(layout), d_gbs, tokens / (d_ms * 1e-3) / 1e9,
+    std::printf("| dequantize-gather %lld tokens, %s | %s | %.0f GB/s (%.1f Gtok/s) | %.0f GB/s | %.1f %% |\n",
+                (long long)tokens, order, LayoutName(layout), d_gbs, tokens / (d_ms * 1e-3) / 1e9,
                 ceiling, 100.0 * d_gbs / ceiling);
     if (layout != Layout::kV4) {
       const PoolGeometry v4{Layout::kV4, page_size, g.num_pages};
@@ -148,8 +153,8 @@ int Main(int argc, char** argv) {
                             tokens}, nullptr));
       });
       const double t_gbs = tokens * (record + 8 + 584) / (t_ms * 1e-3) / 1e9;
-      std::printf("| transcode to v4 %lld tokens | %s | %.0f GB/s (%.1f Gtok/s) | %.0f GB/s | %.1f %% |\n",
-                  (long long)tokens, LayoutName(layout), t_gbs, tokens / (t_ms * 1e-3) / 1e9,
+      std::printf("| transcode to v4 %lld tokens, %s | %s | %.0f GB/s (%.1f Gtok/s) | %.0f GB/s | %.1f %% |\n",
+                  (long long)tokens, order, LayoutName(layout), t_gbs, tokens / (t_ms * 1e-3) / 1e9,
                   ceiling, 100.0 * t_gbs / ceiling);
     }
   }

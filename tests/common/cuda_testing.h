@@ -80,13 +80,15 @@ class PinnedBuffer {
 // Deterministic poison bytes, different per seed.
 inline std::vector<uint8_t> Poison(size_t bytes, uint32_t seed) {
   std::vector<uint8_t> v(bytes);
-  uint32_t x = seed * 2654435761u + 1;
-  for (auto& b : v) {
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  size_t i = 0;
+  for (; i + 8 <= bytes; i += 8) {
     x ^= x << 13;
-    x ^= x >> 17;
-    x ^= x << 5;
-    b = static_cast<uint8_t>(x);
+    x ^= x >> 7;
+    x ^= x << 17;
+    std::memcpy(&v[i], &x, 8);
   }
+  for (; i < bytes; ++i) v[i] = static_cast<uint8_t>(x >> (8 * (i & 7)));
   return v;
 }
 

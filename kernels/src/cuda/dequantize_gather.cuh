@@ -14,6 +14,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
                            int64_t out_row_stride) {
   const int lane = threadIdx.x & (kWarp - 1);
   const int64_t token = int64_t{blockIdx.x} * kWarpsPerBlock + (threadIdx.x >> 5);
+  WaitForPrerequisiteGrid();
+  AllowDependentGridLaunch();
   if (token >= num_tokens) return;
   const int64_t loc = __ldg(locs + token);
   if (loc < 0 || loc >= pool_tokens) return;
@@ -45,15 +47,11 @@ absl::Status LaunchDequantizeGather(const DequantizeGatherParams& p, cudaStream_
       reinterpret_cast<uintptr_t>(p.out) % 16 == 0 && p.out_row_stride % kChunk == 0;
   return DispatchPageSize(p.geometry.page_size, [&](auto log2_page) {
     constexpr int kLog2Page = decltype(log2_page)::value;
-    const unsigned blocks = static_cast<unsigned>(BlocksFor(p.num_tokens));
-    if (aligned) {
-      DequantizeGatherKernel<L, kLog2Page, true><<<blocks, kThreadsPerBlock, 0, stream>>>(
-          p.pool, p.locs, p.num_tokens, p.geometry.num_tokens(), p.out, p.out_row_stride);
-    } else {
-      DequantizeGatherKernel<L, kLog2Page, false><<<blocks, kThreadsPerBlock, 0, stream>>>(
-          p.pool, p.locs, p.num_tokens, p.geometry.num_tokens(), p.out, p.out_row_stride);
-    }
-    return CheckLaunch("DequantizeGatherKernel");
+    return LaunchKernel(aligned ? DequantizeGatherKernel<L, kLog2Page, true>
+                                : DequantizeGatherKernel<L, kLog2Page, false>,
+                        BlocksFor(p.num_tokens), kThreadsPerBlock, stream,
+                        "DequantizeGatherKernel", p.pool, p.locs, p.num_tokens,
+                        p.geometry.num_tokens(), p.out, p.out_row_stride);
   });
 }
 

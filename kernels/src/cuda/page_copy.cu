@@ -12,6 +12,8 @@ __global__ void __launch_bounds__(kCopyThreads)
     PageCopyKernel(uint8_t* __restrict__ pool, const int64_t* __restrict__ pages,
                    int num_layers, int64_t num_pages, int64_t page_bytes,
                    uint8_t* __restrict__ buffer) {
+  WaitForPrerequisiteGrid();
+  AllowDependentGridLaunch();
   const int64_t unit = blockIdx.x;  // listed * num_layers + layer
   const int64_t listed = unit / num_layers;
   const int64_t layer = unit - listed * num_layers;
@@ -50,14 +52,10 @@ absl::Status LaunchPageCopy(const PageCopyParams& p, cudaStream_t stream) {
   }
   const bool aligned = g.page_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(p.pool) % 16 == 0 &&
                        reinterpret_cast<uintptr_t>(p.buffer) % 16 == 0;
-  if (aligned) {
-    PageCopyKernel<kGather, uint4><<<static_cast<unsigned>(units), kCopyThreads, 0, stream>>>(
-        p.pool, p.pages, g.num_layers, g.num_pages, g.page_bytes, p.buffer);
-  } else {
-    PageCopyKernel<kGather, uint8_t><<<static_cast<unsigned>(units), kCopyThreads, 0, stream>>>(
-        p.pool, p.pages, g.num_layers, g.num_pages, g.page_bytes, p.buffer);
-  }
-  return CheckLaunch(kGather ? "PageCopyKernel<gather>" : "PageCopyKernel<scatter>");
+  return LaunchKernel(aligned ? PageCopyKernel<kGather, uint4> : PageCopyKernel<kGather, uint8_t>,
+                      units, kCopyThreads, stream,
+                      kGather ? "PageCopyKernel<gather>" : "PageCopyKernel<scatter>", p.pool,
+                      p.pages, g.num_layers, g.num_pages, g.page_bytes, p.buffer);
 }
 
 }  // namespace

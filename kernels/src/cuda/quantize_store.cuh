@@ -13,11 +13,14 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
                         uint8_t* __restrict__ pool) {
   const int lane = threadIdx.x & (kWarp - 1);
   const int64_t token = int64_t{blockIdx.x} * kWarpsPerBlock + (threadIdx.x >> 5);
+  WaitForPrerequisiteGrid();
+  AllowDependentGridLaunch();
   if (token >= num_tokens) return;
-  const int64_t loc = __ldg(locs + token);
-  if (loc < 0 || loc >= pool_tokens) return;  // validated by the caller; never write outside
+  // The row load does not depend on the location: issue both before either is used.
   LaneRow r;
   LoadBf16Row(rows + token * kHeadDim, lane, r);
+  const int64_t loc = __ldg(locs + token);
+  if (loc < 0 || loc >= pool_tokens) return;  // validated by the caller; never write outside
   int64_t data, scale;
   Addressing<L, kLog2Page>::Locate(loc, data, scale);
   StoreRecord<L>(r, lane, pool + data, pool + scale);
@@ -27,10 +30,9 @@ template <Layout L>
 absl::Status LaunchQuantizeStore(const QuantizeStoreParams& p, cudaStream_t stream) {
   return DispatchPageSize(p.geometry.page_size, [&](auto log2_page) {
     constexpr int kLog2Page = decltype(log2_page)::value;
-    QuantizeStoreKernel<L, kLog2Page>
-        <<<static_cast<unsigned>(BlocksFor(p.num_tokens)), kThreadsPerBlock, 0, stream>>>(
-            p.rows, p.locs, p.num_tokens, p.geometry.num_tokens(), p.pool);
-    return CheckLaunch("QuantizeStoreKernel");
+    return LaunchKernel(QuantizeStoreKernel<L, kLog2Page>, BlocksFor(p.num_tokens),
+                        kThreadsPerBlock, stream, "QuantizeStoreKernel", p.rows, p.locs,
+                        p.num_tokens, p.geometry.num_tokens(), p.pool);
   });
 }
 

@@ -8,6 +8,9 @@
 // equal the CPU reference bit for bit.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -68,30 +71,93 @@ __device__ __forceinline__ void LoadBf16Row(const uint16_t* __restrict__ row, in
 }
 
 // Max of |v| over the lane's chunk k, then over the `group` lanes that share a tile.
+// Values are finite, so fmaxf of magnitudes equals the reference's max on magnitude bits.
 template <int kGroup>
 __device__ __forceinline__ float TileAmax(const LaneRow& r, int k) {
-  uint32_t m = 0;
+  float m = 0.0f;
 #pragma unroll
-  for (int j = 0; j < kChunk; ++j) {
-    const uint32_t a = numerics::FloatBits(r.v[k][j]) & 0x7FFFFFFFu;
-    m = a > m ? a : m;
-  }
+  for (int j = 0; j < kChunk; ++j) m = fmaxf(m, fabsf(r.v[k][j]));
 #pragma unroll
   for (int offset = 1; offset < kGroup; offset <<= 1) {
-    const uint32_t other = __shfl_xor_sync(0xFFFFFFFFu, m, offset);
-    m = other > m ? other : m;
+    m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, offset));
   }
-  return numerics::BitsToFloat(m);
+  return m;
 }
 
+// Eight values times a power of two → eight e4m3 codes, with the hardware's
+// round-to-nearest-even, saturate-to-finite conversion (cvt.rn.satfinite.e4m3x2.f32): the
+// same rounding as numerics::FloatToE4m3, which numerics_gpu_test checks exhaustively.
 __device__ __forceinline__ uint2 PackE4m3(const float (&v)[kChunk], float multiplier) {
-  uint32_t lo = 0, hi = 0;
+  uint32_t words[2];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    lo |= uint32_t{numerics::FloatToE4m3(__fmul_rn(v[j], multiplier))} << (8 * j);
-    hi |= uint32_t{numerics::FloatToE4m3(__fmul_rn(v[j + 4], multiplier))} << (8 * j);
+  for (int w = 0; w < 2; ++w) {
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(
+        make_float2(__fmul_rn(v[4 * w], multiplier), __fmul_rn(v[4 * w + 1], multiplier)),
+        __NV_SATFINITE, __NV_E4M3);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(
+        make_float2(__fmul_rn(v[4 * w + 2], multiplier), __fmul_rn(v[4 * w + 3], multiplier)),
+        __NV_SATFINITE, __NV_E4M3);
+    words[w] = lo | (hi << 16);
   }
-  return make_uint2(lo, hi);
+  return make_uint2(words[0], words[1]);
+}
+
+// Eight bf16 values of one V41_FP4 tile → eight e2m1 nibbles under scale s, without the
+// division of spec §4 step 2. For a bf16 input a = |x| and a threshold t of the e2m1
+// rounding (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5: each an even float), fl(a / s) <= t holds
+// exactly when a <= t * s: t * s is exact (at most 7 significant bits), and no bf16 value
+// lies strictly between t * s and the point (t + ulp(t) / 2) * s, where rounding of the
+// quotient could cross t. The same holds for <. The sign comes from x < 0 (an input of -0
+// gives +0, as "+ 0.0f" does; no bf16 quotient underflows to zero).
+__device__ __forceinline__ uint32_t PackE2m1(const float (&v)[kChunk], float s) {
+  const float t025 = 0.25f * s, t075 = 0.75f * s, t125 = 1.25f * s, t175 = 1.75f * s;
+  const float t250 = 2.5f * s, t350 = 3.5f * s, t500 = 5.0f * s;
+  uint32_t packed = 0;
+#pragma unroll
+  for (int j = 0; j < kChunk; ++j) {
+    const float a = fabsf(v[j]);
+    const uint32_t code = (a > t025) + (a >= t075) + (a > t125) + (a >= t175) + (a > t250) +
+                          (a >= t350) + (a > t500) + (v[j] < 0.0f ? 8u : 0u);
+    packed |= code << (4 * j);
+  }
+  return packed;
+}
+
+// Eight e4m3 codes times a power of two → eight bf16 bits (exact products; the hardware
+// conversions decode e4m3 exactly and round to bf16 to nearest even).
+__device__ __forceinline__ void UnpackE4m3(uint2 codes, float s, uint16_t (&bits)[kChunk]) {
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const uint32_t word = p < 2 ? codes.x : codes.y;
+    const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(
+        static_cast<__nv_fp8x2_storage_t>((word >> (16 * (p & 1))) & 0xFFFFu), __NV_E4M3);
+    const float2 f = __half22float2(__half2(raw));
+    const __nv_bfloat162 b = __floats2bfloat162_rn(__fmul_rn(f.x, s), __fmul_rn(f.y, s));
+    const __nv_bfloat162_raw b_raw(b);
+    bits[2 * p] = b_raw.x;
+    bits[2 * p + 1] = b_raw.y;
+  }
+}
+
+// Eight e2m1 nibbles times an e4m3 scale → eight bf16 bits.
+__device__ __forceinline__ void UnpackE2m1(uint32_t codes, float s, uint16_t (&bits)[kChunk]) {
+  // Twice the e2m1 magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}, one nibble each.
+  constexpr uint32_t kTwiceMagnitudes = 0xC8643210u;
+  const float half_s = 0.5f * s;  // exact: s is an e4m3 value >= 2^-9
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    float f[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t nibble = (codes >> (4 * (2 * p + h))) & 0xFu;
+      const float magnitude = static_cast<float>((kTwiceMagnitudes >> (4 * (nibble & 7u))) & 0xFu);
+      const float value = __fmul_rn(magnitude, half_s);
+      f[h] = (nibble & 8u) ? -value : value;
+    }
+    const __nv_bfloat162_raw b_raw(__floats2bfloat162_rn(f[0], f[1]));
+    bits[2 * p] = b_raw.x;
+    bits[2 * p + 1] = b_raw.y;
+  }
 }
 
 // Writes the lane's part of the record of `r` (all lanes of the warp must call).
@@ -133,13 +199,7 @@ __device__ __forceinline__ void StoreRecord(const LaneRow& r, int lane, uint8_t*
     for (int k = 0; k < kChunksPerLane; ++k) {
       const int c = ChunkOf(lane, k);
       const uint8_t code = numerics::Fp4ScaleCode(TileAmax<2>(r, k));
-      const float s = numerics::E4m3ToFloat(code);
-      uint32_t packed = 0;
-#pragma unroll
-      for (int j = 0; j < kChunk; ++j) {
-        packed |= uint32_t{numerics::QuantizeFp4(r.v[k][j], s)} << (4 * j);
-      }
-      *reinterpret_cast<uint32_t*>(data + 4 * c) = packed;
+      *reinterpret_cast<uint32_t*>(data + 4 * c) = PackE2m1(r.v[k], numerics::E4m3ToFloat(code));
       if ((c & 1) == 0) scale[c >> 1] = code;
     }
   }
@@ -166,21 +226,11 @@ __device__ __forceinline__ void LoadRecord(const uint8_t* __restrict__ data,
         }
       } else {
         const uint2 codes = __ldg(reinterpret_cast<const uint2*>(data + kChunk * c));
-        const float s = numerics::Ue8m0ToFloat(__ldg(scale + c / kChunksPerTile));
-#pragma unroll
-        for (int j = 0; j < kChunk; ++j) {
-          const uint8_t code = static_cast<uint8_t>(((j < 4 ? codes.x : codes.y) >> (8 * (j & 3))));
-          r.bits[k][j] = numerics::FloatToBf16(__fmul_rn(numerics::E4m3ToFloat(code), s));
-        }
+        UnpackE4m3(codes, numerics::Ue8m0ToFloat(__ldg(scale + c / kChunksPerTile)), r.bits[k]);
       }
     } else {
       const uint32_t codes = __ldg(reinterpret_cast<const uint32_t*>(data + 4 * c));
-      const float s = numerics::E4m3ToFloat(__ldg(scale + (c >> 1)));
-#pragma unroll
-      for (int j = 0; j < kChunk; ++j) {
-        const uint8_t nibble = static_cast<uint8_t>((codes >> (4 * j)) & 0xFu);
-        r.bits[k][j] = numerics::FloatToBf16(__fmul_rn(numerics::E2m1ToFloat(nibble), s));
-      }
+      UnpackE2m1(codes, numerics::E4m3ToFloat(__ldg(scale + (c >> 1))), r.bits[k]);
     }
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) r.v[k][j] = numerics::Bf16ToFloat(r.bits[k][j]);
@@ -214,17 +264,42 @@ absl::Status DispatchPageSize(int page_size, F&& f) {
   }
 }
 
-inline int64_t BlocksFor(int64_t num_tokens) {
-  return (num_tokens + kWarpsPerBlock - 1) / kWarpsPerBlock;
+// Programmatic dependent launch (sm_90+): a kernel waits for the grid before it in the
+// stream to finish before reading memory, but is itself launched while that grid runs,
+// which hides the launch latency of back-to-back small kernels. Without the launch
+// attribute both instructions are no-ops.
+__device__ __forceinline__ void WaitForPrerequisiteGrid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void AllowDependentGridLaunch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
 }
 
-// Checks the launch just made (configuration errors surface here, not at the next sync).
-inline absl::Status CheckLaunch(const char* kernel) {
-  const cudaError_t error = cudaPeekAtLastError();
+// Launches `kernel` with programmatic stream serialization allowed; checks the launch.
+template <typename... KernelArgs, typename... Args>
+absl::Status LaunchKernel(void (*kernel)(KernelArgs...), int64_t blocks, int threads,
+                          cudaStream_t stream, const char* name, Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.stream = stream;
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  const cudaError_t error = cudaLaunchKernelEx(&config, kernel, static_cast<KernelArgs>(args)...);
   if (error == cudaSuccess) return absl::OkStatus();
-  cudaGetLastError();  // clear the non-sticky error so later launches are not blamed
-  return absl::InternalError(
-      absl::StrCat("launch of ", kernel, " failed: ", cudaGetErrorString(error)));
+  cudaGetLastError();
+  return absl::InternalError(absl::StrCat("launch of ", name, " failed: ", cudaGetErrorString(error)));
+}
+
+inline int64_t BlocksFor(int64_t num_tokens) {
+  return (num_tokens + kWarpsPerBlock - 1) / kWarpsPerBlock;
 }
 
 // Per-layout launchers, one explicit instantiation per .cu file.

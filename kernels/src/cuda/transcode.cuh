@@ -12,6 +12,8 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
                     int64_t num_tokens, int64_t pool_tokens, uint8_t* __restrict__ dst) {
   const int lane = threadIdx.x & (kWarp - 1);
   const int64_t token = int64_t{blockIdx.x} * kWarpsPerBlock + (threadIdx.x >> 5);
+  WaitForPrerequisiteGrid();
+  AllowDependentGridLaunch();
   if (token >= num_tokens) return;
   const int64_t loc = __ldg(locs + token);
   if (loc < 0 || loc >= pool_tokens) return;
@@ -29,10 +31,9 @@ absl::Status LaunchTranscodeTo(const TranscodeParams& p, cudaStream_t stream) {
                                                                       : p.to.num_tokens();
   return DispatchPageSize(p.from.page_size, [&](auto log2_page) {
     constexpr int kLog2Page = decltype(log2_page)::value;
-    TranscodeKernel<From, To, kLog2Page>
-        <<<static_cast<unsigned>(BlocksFor(p.num_tokens)), kThreadsPerBlock, 0, stream>>>(
-            p.src, p.locs, p.num_tokens, pool_tokens, p.dst);
-    return CheckLaunch("TranscodeKernel");
+    return LaunchKernel(TranscodeKernel<From, To, kLog2Page>, BlocksFor(p.num_tokens),
+                        kThreadsPerBlock, stream, "TranscodeKernel", p.src, p.locs,
+                        p.num_tokens, pool_tokens, p.dst);
   });
 }
 
