@@ -32,15 +32,31 @@ __global__ void PackE4m3Kernel(uint8_t* out) {
   }
 }
 
-// out[(scale_code * 65536 + h)] = e2m1 of bf16(h) under e4m3 scale scale_code.
-__global__ void PackE2m1Kernel(uint8_t* out) {
+// out[(scale_code * 65536 + h)] = e2m1 of bf16(h) under e4m3 scale scale_code, by the
+// threshold version (half2 = false) or the half2 version the kernels use (half2 = true).
+__global__ void PackE2m1Kernel(uint8_t* out, bool half2) {
   const int64_t base = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) * kChunk;
   if (base >= int64_t{128} * 65536) return;
   const float s = E4m3ToFloat(static_cast<uint8_t>(base >> 16));
   float v[kChunk];
-  for (int j = 0; j < kChunk; ++j) v[j] = Bf16ToFloat(static_cast<uint16_t>((base + j) & 0xFFFF));
-  const uint32_t packed = cuda::detail::PackE2m1(v, s);
+  uint16_t bits[kChunk];
+  for (int j = 0; j < kChunk; ++j) {
+    bits[j] = static_cast<uint16_t>((base + j) & 0xFFFF);
+    v[j] = Bf16ToFloat(bits[j]);
+  }
+  const uint32_t packed =
+      half2 ? cuda::detail::PackE2m1Half2(v, bits, s) : cuda::detail::PackE2m1(v, s);
   for (int j = 0; j < kChunk; ++j) out[base + j] = (packed >> (4 * j)) & 0xF;
+}
+
+// Per bf16 amax h: the device's V4 scale byte, FP4 scale code, and e4m3 decode of h & 0xFF.
+__global__ void ScaleKernel(uint8_t* v4, uint8_t* fp4, float* decoded) {
+  const int h = blockIdx.x * blockDim.x + threadIdx.x;
+  if (h >= 0x7F80) return;
+  const float amax = Bf16ToFloat(static_cast<uint16_t>(h));
+  v4[h] = cuda::detail::V4ScaleExponentBf16(amax);
+  fp4[h] = cuda::detail::Fp4ScaleCodeFast(amax);
+  decoded[h] = cuda::detail::E4m3ToFloatFast(static_cast<uint8_t>(h & 0xFF));
 }
 
 // out[e * 256 + code] = bf16 of e4m3(code) * 2^(e-127); and e2m1 nibbles × e4m3 scales.
@@ -91,10 +107,12 @@ TEST_F(NumericsGpuTest, HardwareE4m3EqualsReferenceForEveryScaledBf16) {
   EXPECT_EQ(mismatches, 0);
 }
 
-TEST_F(NumericsGpuTest, DivisionFreeE2m1EqualsReferenceForEveryBf16AndScale) {
+class E2m1GpuTest : public NumericsGpuTest, public ::testing::WithParamInterface<bool> {};
+
+TEST_P(E2m1GpuTest, DivisionFreeE2m1EqualsReferenceForEveryBf16AndScale) {
   const int64_t n = int64_t{128} * 65536;
   testing::DeviceBuffer out(n);
-  PackE2m1Kernel<<<(n / kChunk + 255) / 256, 256>>>(out.as<uint8_t>());
+  PackE2m1Kernel<<<(n / kChunk + 255) / 256, 256>>>(out.as<uint8_t>(), GetParam());
   const auto got = out.Download<uint8_t>();
   int64_t mismatches = 0;
   for (int64_t i = 0; i < n; ++i) {
@@ -108,6 +126,25 @@ TEST_F(NumericsGpuTest, DivisionFreeE2m1EqualsReferenceForEveryBf16AndScale) {
     }
   }
   EXPECT_EQ(mismatches, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(ThresholdsAndHalf2, E2m1GpuTest, ::testing::Values(false, true));
+
+TEST_F(NumericsGpuTest, DeviceScaleRulesEqualReferenceForEveryBf16Amax) {
+  testing::DeviceBuffer v4(0x7F80), fp4(0x7F80), decoded(0x7F80 * sizeof(float));
+  ScaleKernel<<<(0x7F80 + 255) / 256, 256>>>(v4.as<uint8_t>(), fp4.as<uint8_t>(),
+                                             decoded.as<float>());
+  const auto got_v4 = v4.Download<uint8_t>();
+  const auto got_fp4 = fp4.Download<uint8_t>();
+  const auto got_decoded = decoded.Download<float>();
+  for (int h = 0; h < 0x7F80; ++h) {
+    const float amax = Bf16ToFloat(static_cast<uint16_t>(h));
+    ASSERT_EQ(got_v4[h], V4ScaleExponent(amax)) << "amax " << amax;
+    ASSERT_EQ(got_fp4[h], Fp4ScaleCode(amax)) << "amax " << amax;
+    if ((h & 0x7F) != 0x7F) {
+      ASSERT_EQ(FloatBits(got_decoded[h]), FloatBits(E4m3ToFloat(static_cast<uint8_t>(h & 0xFF))));
+    }
+  }
 }
 
 TEST_F(NumericsGpuTest, HardwareDecodeEqualsReferenceForEveryCodeAndScale) {

@@ -123,6 +123,67 @@ __device__ __forceinline__ uint32_t PackE2m1(const float (&v)[kChunk], float s) 
   return packed;
 }
 
+// Tile scales on the device, for tiles of bf16 values (all the kernels see).
+//
+// V4 (§4: the smallest power of two >= fl(max(amax, 1e-4) / 448)): for a bf16 amax
+// m · 2^E, amax / 448 = (m / 1.75) · 2^(E-8), and with 8 significant bits m / 1.75 is an
+// exact power of two only at m = 1.75 and never rounds onto one otherwise; so the exponent
+// is E - 8, plus one when m > 1.75, exactly the V41 rule without its floor. Below the
+// 1e-4 floor the scale is fl(1e-4 / 448) rounded up to a power of two: 2^-22 (byte 105).
+__device__ __forceinline__ uint8_t V4ScaleExponentBf16(float amax) {
+  if (amax < 1e-4f) return 105;
+  const uint32_t bits = numerics::FloatBits(amax);
+  return static_cast<uint8_t>((bits >> 23) - 8 + ((bits & 0x7FFFFFu) > 0x600000u ? 1 : 0));
+}
+
+// V41_FP4 scale code (§4 step 1) with the hardware e4m3 conversion.
+__device__ __forceinline__ uint8_t Fp4ScaleCodeFast(float amax) {
+  const float s = fminf(fmaxf(__fmul_rn(amax, numerics::BitsToFloat(0x3E2AAAABu)), 0.001953125f),
+                        448.0f);
+  return static_cast<uint8_t>(
+      __nv_cvt_float2_to_fp8x2(make_float2(s, 0.0f), __NV_SATFINITE, __NV_E4M3) & 0xFFu);
+}
+
+// e4m3 code → fp32, with the hardware decode.
+__device__ __forceinline__ float E4m3ToFloatFast(uint8_t code) {
+  const __half_raw raw = __nv_cvt_fp8_to_halfraw(code, __NV_E4M3);
+  return __half2float(__half(raw));
+}
+
+// PackE2m1 in half2 arithmetic, two values per instruction. q = |x| * fl(1/s) is within
+// 2^-23 of |x| / s; the conversion to fp16 (11 bits) then lands exactly on a rounding
+// threshold t where |x| = t * s (a tie), and elsewhere stays on the correct side (a bf16
+// |x| is at least 2^-9 relative away from any t * s, see PackE2m1). The e2m1 rounding is
+// the magic-number trick: (q + M) - M with M = 2^(exponent(q) + 9) (at least 512) rounds
+// q to one mantissa bit, ties to even, on the e2m1 grid; clamping to 6 saturates; and
+// times 2^-14 the fp16 bits of the result are the e2m1 code, shifted left by 9.
+__device__ __forceinline__ uint32_t PackE2m1Half2(const float (&v)[kChunk],
+                                                  const uint16_t (&bits)[kChunk], float s) {
+  const float inv = __frcp_rn(s);
+  const __half2 clamp_in = __float2half2_rn(8.0f);
+  const __half2 clamp_out = __float2half2_rn(6.0f);
+  const __half2 to_code = __float2half2_rn(0.00006103515625f);  // 2^-14
+  uint32_t packed = 0;
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    __half2 q = __floats2half2_rn(__fmul_rn(fabsf(v[2 * p]), inv),
+                                  __fmul_rn(fabsf(v[2 * p + 1]), inv));
+    q = __hmin2(q, clamp_in);
+    const uint32_t q_bits = *reinterpret_cast<const uint32_t*>(&q);
+    const uint32_t m_bits = __viaddmax_u16x2(q_bits & 0x7C007C00u, 0x24002400u, 0x60006000u);
+    const __half2 m = *reinterpret_cast<const __half2*>(&m_bits);
+    __half2 r = __hsub2(__hadd2(q, m), m);
+    r = __hmul2(__hmin2(r, clamp_out), to_code);
+    const uint32_t r_bits = *reinterpret_cast<const uint32_t*>(&r);
+    // Sign: the bf16 sign bit of a value with a nonzero magnitude (so -0 → +0).
+    const uint32_t w = bits[2 * p] | (uint32_t{bits[2 * p + 1]} << 16);
+    const uint32_t negative = w & ((w & 0x7FFF7FFFu) + 0x7FFF7FFFu) & 0x80008000u;
+    const uint32_t x = ((r_bits >> 9) & 0x00070007u) | (negative >> 12);
+    packed |= ((x | (x >> 12)) & 0xFFu) << (8 * p);
+  }
+  return packed;
+}
+
 // Eight e4m3 codes times a power of two → eight bf16 bits (exact products; the hardware
 // conversions decode e4m3 exactly and round to bf16 to nearest even).
 __device__ __forceinline__ void UnpackE4m3(uint2 codes, float s, uint16_t (&bits)[kChunk]) {
@@ -178,7 +239,7 @@ __device__ __forceinline__ void StoreRecord(const LaneRow& r, int lane, uint8_t*
       const int c = ChunkOf(lane, k);
       // Chunks 56..63 (lanes 24..31 at k = 1) are the RoPE dims; their tile group of 8
       // lanes is all RoPE, so the shuffle stays uniform and its result is unused there.
-      const uint8_t e = numerics::V4ScaleExponent(TileAmax<8>(r, k));
+      const uint8_t e = V4ScaleExponentBf16(TileAmax<8>(r, k));
       if (c < kNopeDim / kChunk) {
         *reinterpret_cast<uint2*>(data + kChunk * c) =
             PackE4m3(r.v[k], numerics::Ue8m0Reciprocal(e));
@@ -198,8 +259,9 @@ __device__ __forceinline__ void StoreRecord(const LaneRow& r, int lane, uint8_t*
 #pragma unroll
     for (int k = 0; k < kChunksPerLane; ++k) {
       const int c = ChunkOf(lane, k);
-      const uint8_t code = numerics::Fp4ScaleCode(TileAmax<2>(r, k));
-      *reinterpret_cast<uint32_t*>(data + 4 * c) = PackE2m1(r.v[k], numerics::E4m3ToFloat(code));
+      const uint8_t code = Fp4ScaleCodeFast(TileAmax<2>(r, k));
+      *reinterpret_cast<uint32_t*>(data + 4 * c) =
+          PackE2m1Half2(r.v[k], r.bits[k], E4m3ToFloatFast(code));
       if ((c & 1) == 0) scale[c >> 1] = code;
     }
   }
@@ -230,7 +292,7 @@ __device__ __forceinline__ void LoadRecord(const uint8_t* __restrict__ data,
       }
     } else {
       const uint32_t codes = __ldg(reinterpret_cast<const uint32_t*>(data + 4 * c));
-      UnpackE2m1(codes, numerics::E4m3ToFloat(__ldg(scale + (c >> 1))), r.bits[k]);
+      UnpackE2m1(codes, E4m3ToFloatFast(__ldg(scale + (c >> 1))), r.bits[k]);
     }
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) r.v[k][j] = numerics::Bf16ToFloat(r.bits[k][j]);
