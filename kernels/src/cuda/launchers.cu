@@ -1,5 +1,6 @@
 // Host entry points of the CUDA ops: validate params, pick the layout's instantiation.
 #include "record.cuh"
+#include "kvferry/kernels/cuda_compressor.h"
 #include "kvferry/kernels/validate.h"
 
 namespace kvferry::cuda {
@@ -118,6 +119,44 @@ absl::Status Transcode(const TranscodeParams& p, cudaStream_t stream) {
       return detail::LaunchTranscode<Layout::kV41>(p, stream);
     case Layout::kV41Fp4:
       return detail::LaunchTranscode<Layout::kV41Fp4>(p, stream);
+  }
+  return absl::InvalidArgumentError("unknown layout");
+}
+
+}  // namespace kvferry::cuda
+
+namespace kvferry::cuda {
+namespace detail {
+template <Layout L>
+absl::Status LaunchCompress(const CompressorParams& p, const CompressorWindows& w,
+                            cudaStream_t stream);
+}  // namespace detail
+
+absl::Status Compress(const CompressorParams& p, cudaStream_t stream) {
+  KVF_RETURN_IF_ERROR(ValidateCompressorParams(p));
+  const CompressorWindows w = CompressorEntries(p.ratio, p.first_position, p.num_rows);
+  if (w.count == 0) return absl::OkStatus();
+  if (w.count > int64_t{0x7FFFFFFF} / 8) {  // ratio 128 launches 8 CTAs per entry
+    return absl::InvalidArgumentError(absl::StrCat(w.count, " entries in one launch is too many"));
+  }
+  for (const void* pointer : {static_cast<const void*>(p.kv), static_cast<const void*>(p.score),
+                              static_cast<const void*>(p.norm_weight)}) {
+    if (pointer != nullptr && reinterpret_cast<uintptr_t>(pointer) % 16 != 0) {
+      return absl::InvalidArgumentError("compressor inputs must be 16-byte aligned");
+    }
+  }
+  if (reinterpret_cast<uintptr_t>(p.rope_cos) % 8 != 0 ||
+      reinterpret_cast<uintptr_t>(p.rope_sin) % 8 != 0 ||
+      (p.pre_quant_rows != nullptr && reinterpret_cast<uintptr_t>(p.pre_quant_rows) % 8 != 0)) {
+    return absl::InvalidArgumentError("RoPE tables and row output must be 8-byte aligned");
+  }
+  switch (p.geometry.layout) {
+    case Layout::kV4:
+      return detail::LaunchCompress<Layout::kV4>(p, w, stream);
+    case Layout::kV41:
+      return detail::LaunchCompress<Layout::kV41>(p, w, stream);
+    case Layout::kV41Fp4:
+      return detail::LaunchCompress<Layout::kV41Fp4>(p, w, stream);
   }
   return absl::InvalidArgumentError("unknown layout");
 }

@@ -70,13 +70,13 @@ __device__ __forceinline__ void LoadBf16Row(const uint16_t* __restrict__ row, in
   }
 }
 
-// Max of |v| over the lane's chunk k, then over the `group` lanes that share a tile.
+// Max of |v| over N values, then over the `kGroup` neighbouring lanes that share a tile.
 // Values are finite, so fmaxf of magnitudes equals the reference's max on magnitude bits.
-template <int kGroup>
-__device__ __forceinline__ float TileAmax(const LaneRow& r, int k) {
+template <int kGroup, int N>
+__device__ __forceinline__ float GroupAmax(const float (&v)[N]) {
   float m = 0.0f;
 #pragma unroll
-  for (int j = 0; j < kChunk; ++j) m = fmaxf(m, fabsf(r.v[k][j]));
+  for (int j = 0; j < N; ++j) m = fmaxf(m, fabsf(v[j]));
 #pragma unroll
   for (int offset = 1; offset < kGroup; offset <<= 1) {
     m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, offset));
@@ -84,13 +84,20 @@ __device__ __forceinline__ float TileAmax(const LaneRow& r, int k) {
   return m;
 }
 
-// Eight values times a power of two → eight e4m3 codes, with the hardware's
-// round-to-nearest-even, saturate-to-finite conversion (cvt.rn.satfinite.e4m3x2.f32): the
-// same rounding as numerics::FloatToE4m3, which numerics_gpu_test checks exhaustively.
-__device__ __forceinline__ uint2 PackE4m3(const float (&v)[kChunk], float multiplier) {
-  uint32_t words[2];
+template <int kGroup>
+__device__ __forceinline__ float TileAmax(const LaneRow& r, int k) {
+  return GroupAmax<kGroup>(r.v[k]);
+}
+
+// N values (a multiple of 4) times a power of two → N e4m3 codes in N / 4 words, with
+// the hardware's round-to-nearest-even, saturate-to-finite conversion
+// (cvt.rn.satfinite.e4m3x2.f32): the same rounding as numerics::FloatToE4m3, which
+// numerics_gpu_test checks exhaustively.
+template <int N>
+__device__ __forceinline__ void PackE4m3Words(const float (&v)[N], float multiplier,
+                                              uint32_t (&words)[N / 4]) {
 #pragma unroll
-  for (int w = 0; w < 2; ++w) {
+  for (int w = 0; w < N / 4; ++w) {
     const uint32_t lo = __nv_cvt_float2_to_fp8x2(
         make_float2(__fmul_rn(v[4 * w], multiplier), __fmul_rn(v[4 * w + 1], multiplier)),
         __NV_SATFINITE, __NV_E4M3);
@@ -99,6 +106,11 @@ __device__ __forceinline__ uint2 PackE4m3(const float (&v)[kChunk], float multip
         __NV_SATFINITE, __NV_E4M3);
     words[w] = lo | (hi << 16);
   }
+}
+
+__device__ __forceinline__ uint2 PackE4m3(const float (&v)[kChunk], float multiplier) {
+  uint32_t words[2];
+  PackE4m3Words(v, multiplier, words);
   return make_uint2(words[0], words[1]);
 }
 
@@ -157,15 +169,16 @@ __device__ __forceinline__ float E4m3ToFloatFast(uint8_t code) {
 // the magic-number trick: (q + M) - M with M = 2^(exponent(q) + 9) (at least 512) rounds
 // q to one mantissa bit, ties to even, on the e2m1 grid; clamping to 6 saturates; and
 // times 2^-14 the fp16 bits of the result are the e2m1 code, shifted left by 9.
-__device__ __forceinline__ uint32_t PackE2m1Half2(const float (&v)[kChunk],
-                                                  const uint16_t (&bits)[kChunk], float s) {
+template <int N>
+__device__ __forceinline__ uint32_t PackE2m1Half2(const float (&v)[N], const uint16_t (&bits)[N],
+                                                  float s) {
   const float inv = __frcp_rn(s);
   const __half2 clamp_in = __float2half2_rn(8.0f);
   const __half2 clamp_out = __float2half2_rn(6.0f);
   const __half2 to_code = __float2half2_rn(0.00006103515625f);  // 2^-14
   uint32_t packed = 0;
 #pragma unroll
-  for (int p = 0; p < 4; ++p) {
+  for (int p = 0; p < N / 2; ++p) {
     __half2 q = __floats2half2_rn(__fmul_rn(fabsf(v[2 * p]), inv),
                                   __fmul_rn(fabsf(v[2 * p + 1]), inv));
     q = __hmin2(q, clamp_in);
@@ -200,13 +213,14 @@ __device__ __forceinline__ void UnpackE4m3(uint2 codes, float s, uint16_t (&bits
   }
 }
 
-// Eight e2m1 nibbles times an e4m3 scale → eight bf16 bits.
-__device__ __forceinline__ void UnpackE2m1(uint32_t codes, float s, uint16_t (&bits)[kChunk]) {
+// N (even, <= 8) e2m1 nibbles times an e4m3 scale → N bf16 bits.
+template <int N>
+__device__ __forceinline__ void UnpackE2m1(uint32_t codes, float s, uint16_t (&bits)[N]) {
   // Twice the e2m1 magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}, one nibble each.
   constexpr uint32_t kTwiceMagnitudes = 0xC8643210u;
   const float half_s = 0.5f * s;  // exact: s is an e4m3 value >= 2^-9
 #pragma unroll
-  for (int p = 0; p < 4; ++p) {
+  for (int p = 0; p < N / 2; ++p) {
     float f[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
