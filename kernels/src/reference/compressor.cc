@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kvferry/kernels/compressor_math.h"
 #include "kvferry/kernels/numerics.h"
 #include "kvferry/kernels/ops.h"
 #include "kvferry/kernels/validate.h"
@@ -70,56 +71,53 @@ absl::Status ValidateCompressorParams(const CompressorParams& p) {
 namespace reference {
 namespace {
 
-// Steps 1-2: the pooled fp32 row of the window ending at p.
+// Steps 1-2: the pooled fp32 row of the window ending at `end`, channel by channel, rows
+// in order (ratio 128: in kC128RowBlocks blocks merged in order), as the kernels do.
 void PoolWindow(const CompressorParams& p, int64_t end, float* pooled) {
-  const int coff = CompressorCoff(p.ratio);
-  const int64_t width = int64_t{coff} * kHeadDim;
+  const int64_t width = int64_t{CompressorCoff(p.ratio)} * kHeadDim;
   if (p.ratio == 1) {
     const float* kv = p.kv + (end - p.first_position) * width;
     for (int c = 0; c < kHeadDim; ++c) pooled[c] = kv[c];
     return;
   }
-  const int64_t span = CompressorSpan(p.ratio);
+  const int64_t first = std::max<int64_t>(0, end - CompressorSpan(p.ratio) + 1);
+  const int blocks = p.ratio == 128 ? compressor_math::kC128RowBlocks : 1;
+  const int64_t rows_per_block = (end - first + 1) / blocks;
   for (int c = 0; c < kHeadDim; ++c) {
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t pos = std::max<int64_t>(0, end - span + 1); pos <= end; ++pos) {
-      // ratio 4: the previous window's rows read the first half, the current the second.
-      const int64_t half = (p.ratio == 4 && pos > end - 4) ? kHeadDim : 0;
-      m = std::max(m, p.score[(pos - p.first_position) * width + half + c]);
+    compressor_math::OnlineSoftmax total;
+    for (int b = 0; b < blocks; ++b) {
+      compressor_math::OnlineSoftmax block;
+      for (int64_t pos = first + b * rows_per_block; pos < first + (b + 1) * rows_per_block; ++pos) {
+        // ratio 4: the previous window's rows read the first half, the current the second.
+        const int64_t half = (p.ratio == 4 && pos > end - 4) ? kHeadDim : 0;
+        const int64_t at = (pos - p.first_position) * width + half + c;
+        block.AddRow(p.score[at], p.kv[at]);
+      }
+      if (b == 0) {
+        total = block;
+      } else {
+        total.Merge(block);
+      }
     }
-    float sum = 0.0f, acc = 0.0f;
-    for (int64_t pos = std::max<int64_t>(0, end - span + 1); pos <= end; ++pos) {
-      const int64_t half = (p.ratio == 4 && pos > end - 4) ? kHeadDim : 0;
-      const int64_t at = (pos - p.first_position) * width + half + c;
-      const float e = std::exp(p.score[at] - m);
-      sum += e;
-      acc += e * p.kv[at];
-    }
-    pooled[c] = acc / sum;
+    pooled[c] = total.Result();
   }
 }
 
 // Steps 3-4: RMSNorm and RoPE; returns the bf16 row.
 void NormRotate(const CompressorParams& p, int64_t end, const float* pooled, uint16_t* row) {
   float h[kHeadDim];
-  float sum_squares = 0.0f;
-  for (int c = 0; c < kHeadDim; ++c) {
-    h[c] = numerics::Bf16ToFloat(numerics::FloatToBf16(pooled[c]));
-    sum_squares += h[c] * h[c];
-  }
-  const float inv_rms = 1.0f / std::sqrt(sum_squares / kHeadDim + p.eps);
+  for (int c = 0; c < kHeadDim; ++c) h[c] = numerics::Bf16ToFloat(numerics::FloatToBf16(pooled[c]));
+  const float inv_rms = compressor_math::InvRms(compressor_math::SumOfSquares(h), p.eps);
   float n[kHeadDim];
   for (int c = 0; c < kHeadDim; ++c) {
-    n[c] = numerics::Bf16ToFloat(
-        numerics::FloatToBf16(h[c] * inv_rms * numerics::Bf16ToFloat(p.norm_weight[c])));
+    n[c] = numerics::Bf16ToFloat(numerics::FloatToBf16(
+        compressor_math::NormValue(h[c], inv_rms, numerics::Bf16ToFloat(p.norm_weight[c]))));
   }
   const int64_t q = end + 1 - p.ratio;
   for (int i = 0; i < kRopeDim / 2; ++i) {
-    const float cos = p.rope_cos[q * (kRopeDim / 2) + i];
-    const float sin = p.rope_sin[q * (kRopeDim / 2) + i];
-    const float a = n[kNopeDim + 2 * i], b = n[kNopeDim + 2 * i + 1];
-    n[kNopeDim + 2 * i] = a * cos - b * sin;
-    n[kNopeDim + 2 * i + 1] = a * sin + b * cos;
+    compressor_math::Rotate(n[kNopeDim + 2 * i], n[kNopeDim + 2 * i + 1],
+                            p.rope_cos[q * (kRopeDim / 2) + i], p.rope_sin[q * (kRopeDim / 2) + i],
+                            n[kNopeDim + 2 * i], n[kNopeDim + 2 * i + 1]);
   }
   for (int c = 0; c < kHeadDim; ++c) row[c] = numerics::FloatToBf16(n[c]);
 }
