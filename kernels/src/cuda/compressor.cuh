@@ -16,24 +16,36 @@ inline constexpr int kC128Blocks = compressor_math::kC128RowBlocks;       // 4
 inline constexpr int kC128Threads = kRowThreads * kC128Blocks;            // 512
 
 // Pools rows [begin, begin + count) of the window ending at end_pos into `state`, for the
-// 4 channels of row thread g.
+// 4 channels of row thread g. Rows are loaded 8 at a time before any is used, so the
+// loads are in flight together instead of one row's latency per iteration.
 template <int kRatio>
 __device__ __forceinline__ void PoolRows(const float* __restrict__ kv,
                                          const float* __restrict__ score, int64_t first_position,
                                          int64_t end_pos, int64_t begin, int count, int g,
                                          OnlineSoftmax (&state)[kCompressValues]) {
   constexpr int64_t kWidth = int64_t{kRatio == 4 ? 2 : 1} * kHeadDim;
-#pragma unroll 8
-  for (int i = 0; i < count; ++i) {
-    const int64_t pos = begin + i;
-    const int64_t half = (kRatio == 4 && end_pos - pos < 4) ? kHeadDim : 0;
-    const int64_t at = (pos - first_position) * kWidth + half + kCompressValues * g;
-    const float4 s = __ldg(reinterpret_cast<const float4*>(score + at));
-    const float4 v = __ldg(reinterpret_cast<const float4*>(kv + at));
-    state[0].AddRow(s.x, v.x);
-    state[1].AddRow(s.y, v.y);
-    state[2].AddRow(s.z, v.z);
-    state[3].AddRow(s.w, v.w);
+  constexpr int kBatch = kRatio < 8 ? kRatio * (kRatio == 4 ? 2 : 1) : 8;
+  for (int first = 0; first < count; first += kBatch) {
+    float4 s[kBatch], v[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int64_t pos = begin + first + j;
+      const int64_t half = (kRatio == 4 && end_pos - pos < 4) ? kHeadDim : 0;
+      const int64_t at = (pos - first_position) * kWidth + half + kCompressValues * g;
+      if (first + j < count) {
+        s[j] = __ldg(reinterpret_cast<const float4*>(score + at));
+        v[j] = __ldg(reinterpret_cast<const float4*>(kv + at));
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      if (first + j < count) {
+        state[0].AddRow(s[j].x, v[j].x);
+        state[1].AddRow(s[j].y, v[j].y);
+        state[2].AddRow(s[j].z, v[j].z);
+        state[3].AddRow(s[j].w, v[j].w);
+      }
+    }
   }
 }
 

@@ -162,8 +162,9 @@ __device__ __forceinline__ float E4m3ToFloatFast(uint8_t code) {
   return __half2float(__half(raw));
 }
 
-// PackE2m1 in half2 arithmetic, two values per instruction. q = |x| * fl(1/s) is within
-// 2^-23 of |x| / s; the conversion to fp16 (11 bits) then lands exactly on a rounding
+// PackE2m1 in half2 arithmetic, two values per instruction. q = |x| * rcp(s), with the
+// hardware's approximate reciprocal (relative error below 2^-22), is within 2^-21 of
+// |x| / s; the conversion to fp16 (11 bits) then lands exactly on a rounding
 // threshold t where |x| = t * s (a tie), and elsewhere stays on the correct side (a bf16
 // |x| is at least 2^-9 relative away from any t * s, see PackE2m1). The e2m1 rounding is
 // the magic-number trick: (q + M) - M with M = 2^(exponent(q) + 9) (at least 512) rounds
@@ -172,7 +173,8 @@ __device__ __forceinline__ float E4m3ToFloatFast(uint8_t code) {
 template <int N>
 __device__ __forceinline__ uint32_t PackE2m1Half2(const float (&v)[N], const uint16_t (&bits)[N],
                                                   float s) {
-  const float inv = __frcp_rn(s);
+  float inv;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(inv) : "f"(s));  // s >= 2^-9: no denormals
   const __half2 clamp_in = __float2half2_rn(8.0f);
   const __half2 clamp_out = __float2half2_rn(6.0f);
   const __half2 to_code = __float2half2_rn(0.00006103515625f);  // 2^-14
@@ -213,23 +215,19 @@ __device__ __forceinline__ void UnpackE4m3(uint2 codes, float s, uint16_t (&bits
   }
 }
 
-// N (even, <= 8) e2m1 nibbles times an e4m3 scale → N bf16 bits.
+// N (even, <= 8) e2m1 nibbles times an e4m3 scale → N bf16 bits. An e2m1 code's three
+// magnitude bits placed at fp16 bits 11..9 (sign at 15) are the fp16 value code * 2^-14,
+// exactly, subnormal 0.5 included; scaled by s * 2^14 in fp32 the products are exact.
 template <int N>
 __device__ __forceinline__ void UnpackE2m1(uint32_t codes, float s, uint16_t (&bits)[N]) {
-  // Twice the e2m1 magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}, one nibble each.
-  constexpr uint32_t kTwiceMagnitudes = 0xC8643210u;
-  const float half_s = 0.5f * s;  // exact: s is an e4m3 value >= 2^-9
+  const float scale = __fmul_rn(s, 16384.0f);
 #pragma unroll
   for (int p = 0; p < N / 2; ++p) {
-    float f[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t nibble = (codes >> (4 * (2 * p + h))) & 0xFu;
-      const float magnitude = static_cast<float>((kTwiceMagnitudes >> (4 * (nibble & 7u))) & 0xFu);
-      const float value = __fmul_rn(magnitude, half_s);
-      f[h] = (nibble & 8u) ? -value : value;
-    }
-    const __nv_bfloat162_raw b_raw(__floats2bfloat162_rn(f[0], f[1]));
+    const uint32_t byte = (codes >> (8 * p)) & 0xFFu;
+    const uint32_t h2 = ((byte & 0x7u) << 9) | ((byte & 0x8u) << 12) | ((byte & 0x70u) << 21) |
+                        ((byte & 0x80u) << 24);
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h2));
+    const __nv_bfloat162_raw b_raw(__floats2bfloat162_rn(__fmul_rn(f.x, scale), __fmul_rn(f.y, scale)));
     bits[2 * p] = b_raw.x;
     bits[2 * p + 1] = b_raw.y;
   }
