@@ -1,16 +1,78 @@
-// kvferryd entry point (placeholder until the daemon lands): reports version and formats.
+// kvferryd: flags → DaemonOptions → serve until SIGTERM or SIGINT, then shut down cleanly.
+#include <signal.h>
+
 #include <cstdio>
+#include <fstream>
 
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "daemon.h"
 #include "kvferry/kernels/format.h"
+#include "log.h"
 
-int main() {
-  std::printf("kvferryd %s\n", KVFERRY_VERSION);
-  for (int i = 0; i < kvferry::kNumLayouts; ++i) {
-    const auto layout = static_cast<kvferry::Layout>(i);
-    const kvferry::Savings s = kvferry::ComputeSavings(layout, 64);
-    std::printf("  %-8s %3.0f B/token, %.1f %% below bf16, %.1f %% below v4\n",
-                kvferry::LayoutName(layout), s.nominal_bytes_per_token,
-                100 * s.nominal_saved_vs_bf16, 100 * s.nominal_saved_vs_v4);
+ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "gRPC listen address (host:port; port 0 picks one)");
+ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
+          "Prometheus /metrics address (host:port); empty disables it");
+ABSL_FLAG(std::string, default_device, "",
+          "Device of pools created without one: cpu or cuda:N (default: cuda:0 if a GPU is usable)");
+ABSL_FLAG(int64_t, max_message_bytes, 4 << 20, "Largest gRPC message accepted or sent, bytes");
+ABSL_FLAG(int64_t, chunk_bytes, 1 << 20, "Default and largest read stream piece, bytes");
+ABSL_FLAG(int64_t, max_write_tokens, 1 << 20, "Most tokens one WriteTokens call may stage");
+ABSL_FLAG(int64_t, max_write_bytes, int64_t{1} << 30, "Most page bytes one WritePages call may stage");
+ABSL_FLAG(double, shutdown_grace_seconds, 10, "How long in-flight RPCs may finish on shutdown");
+ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error or off");
+ABSL_FLAG(std::string, port_file, "",
+          "If set, write 'grpc_port metrics_port' here once listening (for tests and scripts)");
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage("kvferryd: KV-cache sidecar for DeepSeek-V4-class inference");
+  absl::ParseCommandLine(argc, argv);
+  if (!kvferry::server::log::Init(absl::GetFlag(FLAGS_log_level))) {
+    std::fprintf(stderr, "kvferryd: unknown --log_level '%s'\n", absl::GetFlag(FLAGS_log_level).c_str());
+    return 2;
   }
+  // Signals are taken by sigwait below, in this thread only: block them before any other
+  // thread starts so that none of those receives them.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  kvferry::server::DaemonOptions options;
+  options.listen = absl::GetFlag(FLAGS_listen);
+  options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  options.default_device = absl::GetFlag(FLAGS_default_device);
+  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.service.default_chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
+  options.service.max_chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
+  options.service.max_write_tokens = absl::GetFlag(FLAGS_max_write_tokens);
+  options.service.max_write_bytes = absl::GetFlag(FLAGS_max_write_bytes);
+  if (options.max_message_bytes < options.service.max_chunk_bytes + 4096) {
+    std::fprintf(stderr, "kvferryd: --max_message_bytes must exceed --chunk_bytes by 4 KiB\n");
+    return 2;
+  }
+
+  absl::StatusOr<std::unique_ptr<kvferry::server::Daemon>> daemon =
+      kvferry::server::Daemon::Start(options);
+  if (!daemon.ok()) {
+    kvferry::server::log::Error("cannot start: {}", daemon.status().ToString());
+    return 1;
+  }
+  kvferry::server::log::Info(
+      "kvferryd {} serving grpc_port={} metrics_port={} default_device={} formats=v4(584),v41(528),v41_fp4(288)",
+      KVFERRY_VERSION, (*daemon)->grpc_port(), (*daemon)->metrics_port(),
+      (*daemon)->default_device());
+  if (const std::string path = absl::GetFlag(FLAGS_port_file); !path.empty()) {
+    const std::string temp = path + ".tmp";
+    std::ofstream(temp) << (*daemon)->grpc_port() << " " << (*daemon)->metrics_port() << "\n";
+    std::rename(temp.c_str(), path.c_str());
+  }
+  int signal_number = 0;
+  sigwait(&signals, &signal_number);
+  kvferry::server::log::Info("signal {}: shutting down", signal_number);
+  (*daemon)->Shutdown(absl::GetFlag(FLAGS_shutdown_grace_seconds));
+  kvferry::server::log::Info("stopped");
   return 0;
 }

@@ -1,0 +1,139 @@
+// The cuda backend. Each calling thread works on its own per-thread default stream, so
+// concurrent requests overlap on the device; every call synchronizes that stream before it
+// returns.
+#include "backend/cuda_backend.h"
+
+#include <cuda_runtime_api.h>
+
+#include "absl/strings/str_cat.h"
+#include "kvferry/kernels/cuda_ops.h"
+
+namespace kvferry::server {
+namespace {
+
+using cuda::CudaStatus;
+
+#define KVF_CUDA_RETURN(expr, what)                               \
+  if (absl::Status _s = CudaStatus((expr), (what)); !_s.ok()) { \
+    return _s;                                                    \
+  }
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(int index) : index_(index), device_(absl::StrCat("cuda:", index)) {}
+
+  const std::string& device() const override { return device_; }
+
+  absl::StatusOr<uint64_t> FreeBytes() override {
+    KVF_CUDA_RETURN(cudaSetDevice(index_), "cudaSetDevice");
+    size_t free_bytes = 0, total = 0;
+    KVF_CUDA_RETURN(cudaMemGetInfo(&free_bytes, &total), "cudaMemGetInfo");
+    return free_bytes;
+  }
+
+  absl::StatusOr<DeviceMemory> Allocate(size_t bytes) override {
+    absl::StatusOr<uint64_t> free_bytes = FreeBytes();
+    if (!free_bytes.ok()) return free_bytes.status();
+    if (bytes > *free_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(device_, ": ", bytes,
+                                                       " bytes requested, ", *free_bytes,
+                                                       " bytes free"));
+    }
+    void* ptr = nullptr;
+    const cudaError_t error = cudaMalloc(&ptr, bytes == 0 ? 1 : bytes);
+    if (error != cudaSuccess) {
+      cudaGetLastError();
+      return absl::ResourceExhaustedError(
+          absl::StrCat(device_, ": cudaMalloc of ", bytes, " bytes: ", cudaGetErrorString(error)));
+    }
+    DeviceMemory memory(this, ptr, bytes);
+    KVF_CUDA_RETURN(cudaMemsetAsync(ptr, 0, bytes, cudaStreamPerThread), "zero-fill");
+    KVF_CUDA_RETURN(cudaStreamSynchronize(cudaStreamPerThread), "zero-fill");
+    return memory;
+  }
+
+  absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
+    return Copy(dst, src, bytes, cudaMemcpyHostToDevice);
+  }
+  absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
+    return Copy(dst, src, bytes, cudaMemcpyDeviceToHost);
+  }
+  absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes) override {
+    return Copy(dst, src, bytes, cudaMemcpyDeviceToDevice);
+  }
+
+  absl::Status Zero(void* dst, size_t bytes) override {
+    if (bytes == 0) return absl::OkStatus();
+    KVF_CUDA_RETURN(cudaSetDevice(index_), "cudaSetDevice");
+    KVF_CUDA_RETURN(cudaMemsetAsync(dst, 0, bytes, cudaStreamPerThread), "cudaMemsetAsync");
+    return CudaStatus(cudaStreamSynchronize(cudaStreamPerThread), "zero");
+  }
+
+  absl::Status QuantizeStore(const PoolGeometry& g, uint8_t* pool, const uint16_t* rows,
+                             const int64_t* locs, int64_t n) override {
+    KVF_CUDA_RETURN(cudaSetDevice(index_), "cudaSetDevice");
+    return Finish(cuda::QuantizeStore({g, rows, locs, n, pool}, cudaStreamPerThread));
+  }
+  absl::Status DequantizeGather(const PoolGeometry& g, const uint8_t* pool, const int64_t* locs,
+                                int64_t n, uint16_t* out) override {
+    KVF_CUDA_RETURN(cudaSetDevice(index_), "cudaSetDevice");
+    return Finish(cuda::DequantizeGather({g, pool, locs, n, out, kHeadDim}, cudaStreamPerThread));
+  }
+  absl::Status Transcode(const PoolGeometry& from, const uint8_t* src, const PoolGeometry& to,
+                         uint8_t* dst, const int64_t* locs, int64_t n) override {
+    KVF_CUDA_RETURN(cudaSetDevice(index_), "cudaSetDevice");
+    return Finish(cuda::Transcode({from, src, to, dst, locs, n}, cudaStreamPerThread));
+  }
+  absl::Status GatherPages(const PageCopyGeometry& g, const uint8_t* pool, const int64_t* pages,
+                           int64_t n, uint8_t* buffer) override {
+    KVF_CUDA_RETURN(cudaSetDevice(index_), "cudaSetDevice");
+    return Finish(cuda::GatherPages({g, const_cast<uint8_t*>(pool), pages, n, buffer},
+                                    cudaStreamPerThread));
+  }
+
+ protected:
+  void Release(void* ptr) override {
+    cudaSetDevice(index_);
+    cudaFree(ptr);
+  }
+
+ private:
+  absl::Status Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+    if (bytes == 0) return absl::OkStatus();
+    KVF_CUDA_RETURN(cudaSetDevice(index_), "cudaSetDevice");
+    KVF_CUDA_RETURN(cudaMemcpyAsync(dst, src, bytes, kind, cudaStreamPerThread), "cudaMemcpyAsync");
+    KVF_CUDA_RETURN(cudaStreamSynchronize(cudaStreamPerThread), "copy");
+    return absl::OkStatus();
+  }
+
+  // Waits for a launched op; a launch error is returned as is.
+  absl::Status Finish(absl::Status launched) {
+    if (!launched.ok()) return launched;
+    return CudaStatus(cudaStreamSynchronize(cudaStreamPerThread), "kernel");
+  }
+
+  const int index_;
+  const std::string device_;
+};
+
+}  // namespace
+
+int CudaDeviceCount() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return count;
+}
+
+absl::StatusOr<std::shared_ptr<Backend>> MakeCudaBackend(int device_index) {
+  const int count = CudaDeviceCount();
+  if (device_index >= count) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "device cuda:", device_index, " does not exist (", count, " CUDA devices here)"));
+  }
+  return std::make_shared<CudaBackend>(device_index);
+}
+
+}  // namespace kvferry::server

@@ -1,0 +1,75 @@
+// Wiring of kvferryd: pools, service, health, reflection, interceptors, metrics.
+#include "daemon.h"
+
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/health_check_service_interface.h>
+
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "backend/backend.h"
+#include "log.h"
+
+namespace kvferry::server {
+
+absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
+  std::unique_ptr<Daemon> d(new Daemon());
+  d->default_device_ = options.default_device.empty() ? DefaultDevice() : options.default_device;
+  if (absl::StatusOr<std::shared_ptr<Backend>> probe = MakeBackend(d->default_device_); !probe.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("default device: ", probe.status().message()));
+  }
+  // The metrics read pool stats through the manager, created right after.
+  Daemon* raw = d.get();
+  d->daemon_metrics_ = std::make_unique<DaemonMetrics>([raw] {
+    std::vector<PoolStats> stats;
+    for (const auto& pool : raw->pools_->List()) stats.push_back(pool->Stats());
+    return stats;
+  });
+  d->pools_ = std::make_unique<PoolManager>(
+      PoolManagerOptions{d->default_device_, d->daemon_metrics_.get()});
+  d->service_ = std::make_unique<KvFerryService>(d->pools_.get(), options.service);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &d->grpc_port_);
+  builder.RegisterService(d->service_.get());
+  builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(std::make_unique<MetricsInterceptorFactory>(d->daemon_metrics_.get()));
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
+  d->server_ = builder.BuildAndStart();
+  if (!d->server_ || d->grpc_port_ == 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen));
+  }
+  d->server_->GetHealthCheckService()->SetServingStatus(true);
+  if (!options.metrics_listen.empty()) {
+    absl::StatusOr<std::unique_ptr<MetricsServer>> m =
+        MetricsServer::Start(options.metrics_listen, d->daemon_metrics_.get());
+    if (!m.ok()) {
+      d->Shutdown(0);
+      return m.status();
+    }
+    d->metrics_ = std::move(*m);
+  }
+  return d;
+}
+
+void Daemon::Shutdown(double grace_seconds) {
+  if (stopped_) return;
+  stopped_ = true;
+  if (server_) {
+    server_->GetHealthCheckService()->SetServingStatus(false);
+    server_->Shutdown(std::chrono::system_clock::now() +
+                      std::chrono::milliseconds(static_cast<int64_t>(grace_seconds * 1000)));
+    server_->Wait();
+  }
+  metrics_.reset();
+  if (pools_) pools_->Clear();
+}
+
+Daemon::~Daemon() { Shutdown(0); }
+
+}  // namespace kvferry::server

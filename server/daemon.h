@@ -1,0 +1,50 @@
+// kvferryd as an object: the pools, the gRPC server, the metrics endpoint, and shutdown.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "core/pool_manager.h"
+#include "metrics/metrics.h"
+#include "service/kvferry_service.h"
+
+namespace kvferry::server {
+
+struct DaemonOptions {
+  std::string listen = "127.0.0.1:50051";          // gRPC address; port 0 picks a free one
+  std::string metrics_listen = "127.0.0.1:9464";   // /metrics; empty disables it
+  std::string default_device;                      // empty: cuda:0 if a GPU is usable, else cpu
+  int64_t max_message_bytes = 4 << 20;             // largest gRPC message accepted or sent
+  ServiceOptions service;
+};
+
+class Daemon {
+ public:
+  // Starts serving; returns when both endpoints listen.
+  static absl::StatusOr<std::unique_ptr<Daemon>> Start(DaemonOptions options);
+  ~Daemon();
+
+  int grpc_port() const { return grpc_port_; }
+  int metrics_port() const { return metrics_ ? metrics_->port() : 0; }
+  const std::string& default_device() const { return default_device_; }
+
+  // Stops accepting, lets in-flight RPCs finish (cancelling those still running after
+  // `grace_seconds`), stops /metrics and frees every pool.
+  void Shutdown(double grace_seconds);
+
+ private:
+  Daemon() = default;
+  std::string default_device_;
+  std::unique_ptr<DaemonMetrics> daemon_metrics_;
+  std::unique_ptr<PoolManager> pools_;
+  std::unique_ptr<KvFerryService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<MetricsServer> metrics_;
+  int grpc_port_ = 0;
+  bool stopped_ = false;
+};
+
+}  // namespace kvferry::server

@@ -1,0 +1,30 @@
+// kvferryd's logging: spdlog behind a few functions, one line per event, key=value fields.
+#pragma once
+
+#include <spdlog/spdlog.h>
+
+#include <string>
+
+namespace kvferry::server::log {
+
+// Sets the level from "trace", "debug", "info", "warn", "error" or "off"; false if unknown.
+bool Init(const std::string& level);
+
+template <typename... Args>
+void Info(spdlog::format_string_t<Args...> fmt, Args&&... args) {
+  spdlog::info(fmt, std::forward<Args>(args)...);
+}
+template <typename... Args>
+void Debug(spdlog::format_string_t<Args...> fmt, Args&&... args) {
+  spdlog::debug(fmt, std::forward<Args>(args)...);
+}
+template <typename... Args>
+void Warn(spdlog::format_string_t<Args...> fmt, Args&&... args) {
+  spdlog::warn(fmt, std::forward<Args>(args)...);
+}
+template <typename... Args>
+void Error(spdlog::format_string_t<Args...> fmt, Args&&... args) {
+  spdlog::error(fmt, std::forward<Args>(args)...);
+}
+
+}  // namespace kvferry::server::log

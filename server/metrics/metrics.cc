@@ -1,0 +1,224 @@
+// Prometheus text rendering of kvferryd's counters, histograms and pool gauges.
+#include "metrics/metrics.h"
+
+#include <httplib.h>
+
+#include <cmath>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+
+namespace kvferry::server {
+namespace {
+
+std::string Escape(const std::string& value) {
+  std::string out;
+  for (char c : value) {
+    if (c == '\\' || c == '"') out += '\\';
+    if (c == '\n') {
+      out += "\\n";
+      continue;
+    }
+    out += c;
+  }
+  return out;
+}
+
+std::string LabelText(const std::vector<std::string>& names, const std::vector<std::string>& values,
+                      const std::string& extra = "") {
+  std::string out;
+  for (size_t i = 0; i < names.size(); ++i) {
+    absl::StrAppend(&out, out.empty() ? "" : ",", names[i], "=\"", Escape(values[i]), "\"");
+  }
+  if (!extra.empty()) absl::StrAppend(&out, out.empty() ? "" : ",", extra);
+  return out.empty() ? "" : absl::StrCat("{", out, "}");
+}
+
+std::string Number(double x) {
+  if (std::isinf(x)) return x > 0 ? "+Inf" : "-Inf";
+  return absl::StrCat(x);
+}
+
+void Header(std::string& out, const std::string& name, const std::string& help, const char* type) {
+  absl::StrAppend(&out, "# HELP ", name, " ", help, "\n# TYPE ", name, " ", type, "\n");
+}
+
+}  // namespace
+
+void CounterFamily::Add(const std::vector<std::string>& values, double amount) {
+  absl::MutexLock lock(&mu_);
+  values_[values] += amount;
+}
+
+void CounterFamily::Render(std::string& out) const {
+  Header(out, name_, help_, "counter");
+  absl::MutexLock lock(&mu_);
+  for (const auto& [labels, value] : values_) {
+    absl::StrAppend(&out, name_, LabelText(labels_, labels), " ", Number(value), "\n");
+  }
+}
+
+void HistogramFamily::Observe(const std::vector<std::string>& values, double x) {
+  absl::MutexLock lock(&mu_);
+  Series& s = series_[values];
+  if (s.buckets.empty()) s.buckets.assign(bounds_.size(), 0);
+  for (size_t i = 0; i < bounds_.size(); ++i) {
+    if (x <= bounds_[i]) {
+      ++s.buckets[i];
+      break;
+    }
+  }
+  ++s.count;
+  s.sum += x;
+}
+
+void HistogramFamily::Render(std::string& out) const {
+  Header(out, name_, help_, "histogram");
+  absl::MutexLock lock(&mu_);
+  for (const auto& [labels, s] : series_) {
+    uint64_t cumulative = 0;
+    for (size_t i = 0; i < bounds_.size(); ++i) {
+      cumulative += s.buckets[i];
+      absl::StrAppend(&out, name_, "_bucket",
+                      LabelText(labels_, labels, absl::StrCat("le=\"", Number(bounds_[i]), "\"")),
+                      " ", cumulative, "\n");
+    }
+    absl::StrAppend(&out, name_, "_bucket", LabelText(labels_, labels, "le=\"+Inf\""), " ",
+                    s.count, "\n");
+    absl::StrAppend(&out, name_, "_sum", LabelText(labels_, labels), " ", Number(s.sum), "\n");
+    absl::StrAppend(&out, name_, "_count", LabelText(labels_, labels), " ", s.count, "\n");
+  }
+}
+
+namespace {
+std::vector<double> LatencyBounds() {
+  return {1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1, 5, 10};
+}
+}  // namespace
+
+DaemonMetrics::DaemonMetrics(std::function<std::vector<PoolStats>()> pools)
+    : pools_(std::move(pools)),
+      rpcs_("kvferry_rpc_requests_total", "Finished RPCs by method and status code.",
+            {"method", "code"}),
+      rpc_latency_("kvferry_rpc_latency_seconds", "RPC latency by method, in seconds.",
+                   {"method"}, LatencyBounds()),
+      errors_("kvferry_errors_total", "Failed RPCs by method and reason (the status code).",
+              {"method", "reason"}),
+      bytes_received_("kvferry_bytes_received_total", "Request message bytes by method.",
+                      {"method"}),
+      bytes_sent_("kvferry_bytes_sent_total", "Response message bytes by method.", {"method"}),
+      kernel_seconds_("kvferry_kernel_seconds", "Device op time by op and layout, in seconds.",
+                      {"op", "layout"}, LatencyBounds()) {}
+
+void DaemonMetrics::RecordRpc(const std::string& method, const std::string& code, double seconds) {
+  rpcs_.Add({method, code}, 1);
+  rpc_latency_.Observe({method}, seconds);
+  if (code != "OK") {
+    std::string reason = code;
+    for (char& c : reason) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    errors_.Add({method, reason}, 1);
+  }
+}
+
+void DaemonMetrics::RecordBytes(const std::string& method, uint64_t received, uint64_t sent) {
+  if (received > 0) bytes_received_.Add({method}, static_cast<double>(received));
+  if (sent > 0) bytes_sent_.Add({method}, static_cast<double>(sent));
+}
+
+void DaemonMetrics::RecordOp(const char* op, Layout layout, double seconds) {
+  kernel_seconds_.Observe({op, LayoutName(layout)}, seconds);
+}
+
+std::string DaemonMetrics::Render() const {
+  std::string out;
+  const std::vector<PoolStats> pools = pools_();
+  struct Gauge {
+    const char* name;
+    const char* help;
+    std::function<void(const PoolStats&, std::string&, const std::string&)> emit;
+  };
+  auto labels = [](const PoolStats& p) {
+    return absl::StrCat("pool=\"", Escape(p.name), "\",layout=\"", LayoutName(p.layout),
+                        "\",device=\"", Escape(p.device), "\"");
+  };
+  auto simple = [&](const char* name, const char* help, auto value) {
+    Header(out, name, help, "gauge");
+    for (const PoolStats& p : pools) {
+      absl::StrAppend(&out, name, "{", labels(p), "} ", Number(static_cast<double>(value(p))), "\n");
+    }
+  };
+  simple("kvferry_pool_pages_used", "Allocated pages.", [](const PoolStats& p) { return p.pages_used; });
+  simple("kvferry_pool_pages_free", "Free pages.",
+         [](const PoolStats& p) { return p.num_pages - p.pages_used; });
+  simple("kvferry_pool_tokens", "Token slots written in at least one layer.",
+         [](const PoolStats& p) { return p.tokens_held; });
+  simple("kvferry_pool_records", "Token x layer records written.",
+         [](const PoolStats& p) { return p.records_held; });
+  simple("kvferry_pool_bytes", "Device bytes held by the pool.",
+         [](const PoolStats& p) { return p.pool_bytes; });
+  Header(out, "kvferry_pool_bytes_per_token",
+         "Bytes per token: the record alone (nominal) or with page padding (effective).", "gauge");
+  for (const PoolStats& p : pools) {
+    absl::StrAppend(&out, "kvferry_pool_bytes_per_token{", labels(p), ",kind=\"nominal\"} ",
+                    Number(p.savings.nominal_bytes_per_token), "\n");
+    absl::StrAppend(&out, "kvferry_pool_bytes_per_token{", labels(p), ",kind=\"effective\"} ",
+                    Number(p.savings.effective_bytes_per_token), "\n");
+  }
+  Header(out, "kvferry_pool_bytes_saved",
+         "Bytes saved by the records held, against bf16 (1024 B/token) and against V4.", "gauge");
+  for (const PoolStats& p : pools) {
+    absl::StrAppend(&out, "kvferry_pool_bytes_saved{", labels(p), ",baseline=\"bf16\"} ",
+                    Number(p.bytes_saved_vs_bf16), "\n");
+    absl::StrAppend(&out, "kvferry_pool_bytes_saved{", labels(p), ",baseline=\"v4\"} ",
+                    Number(p.bytes_saved_vs_v4), "\n");
+  }
+  rpcs_.Render(out);
+  rpc_latency_.Render(out);
+  errors_.Render(out);
+  bytes_received_.Render(out);
+  bytes_sent_.Render(out);
+  kernel_seconds_.Render(out);
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::string& address,
+                                                                    const DaemonMetrics* metrics) {
+  const size_t colon = address.rfind(':');
+  int port;
+  if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port) ||
+      port < 0 || port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics address '", address, "' is not host:port"));
+  }
+  const std::string host = address.substr(0, colon);
+  std::unique_ptr<MetricsServer> server(new MetricsServer());
+  server->http_ = std::make_unique<httplib::Server>();
+  server->http_->Get("/metrics", [metrics](const httplib::Request&, httplib::Response& res) {
+    res.set_content(metrics->Render(), "text/plain; version=0.0.4; charset=utf-8");
+  });
+  server->http_->Get("/healthz", [](const httplib::Request&, httplib::Response& res) {
+    res.set_content("ok\n", "text/plain");
+  });
+  if (port == 0) {
+    server->port_ = server->http_->bind_to_any_port(host);
+    if (server->port_ < 0) {
+      return absl::UnavailableError(absl::StrCat("cannot listen for metrics on ", address));
+    }
+  } else {
+    if (!server->http_->bind_to_port(host, port)) {
+      return absl::UnavailableError(absl::StrCat("cannot listen for metrics on ", address));
+    }
+    server->port_ = port;
+  }
+  httplib::Server* http = server->http_.get();
+  server->thread_ = std::thread([http] { http->listen_after_bind(); });
+  return server;
+}
+
+MetricsServer::~MetricsServer() {
+  if (http_) http_->stop();
+  if (thread_.joinable()) thread_.join();
+}
+
+}  // namespace kvferry::server

@@ -1,0 +1,103 @@
+// Daemon metrics in the Prometheus text exposition format, and the /metrics HTTP endpoint.
+//
+// Written here rather than taken from prometheus-cpp, which Debian 12 does not package: a
+// few labelled counters and histograms and their text rendering are all kvferryd needs.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "core/pool.h"
+
+namespace httplib {
+class Server;
+}
+
+namespace kvferry::server {
+
+// A family of counters with the same label names. Thread-safe.
+class CounterFamily {
+ public:
+  CounterFamily(std::string name, std::string help, std::vector<std::string> labels)
+      : name_(std::move(name)), help_(std::move(help)), labels_(std::move(labels)) {}
+  void Add(const std::vector<std::string>& values, double amount) ABSL_LOCKS_EXCLUDED(mu_);
+  void Render(std::string& out) const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  const std::string name_, help_;
+  const std::vector<std::string> labels_;
+  mutable absl::Mutex mu_;
+  std::map<std::vector<std::string>, double> values_ ABSL_GUARDED_BY(mu_);
+};
+
+// A family of histograms (cumulative buckets, _sum, _count). Thread-safe.
+class HistogramFamily {
+ public:
+  HistogramFamily(std::string name, std::string help, std::vector<std::string> labels,
+                  std::vector<double> bounds)
+      : name_(std::move(name)), help_(std::move(help)), labels_(std::move(labels)),
+        bounds_(std::move(bounds)) {}
+  void Observe(const std::vector<std::string>& values, double x) ABSL_LOCKS_EXCLUDED(mu_);
+  void Render(std::string& out) const ABSL_LOCKS_EXCLUDED(mu_);
+
+ private:
+  struct Series {
+    std::vector<uint64_t> buckets;  // per bound, not cumulative
+    uint64_t count = 0;
+    double sum = 0;
+  };
+  const std::string name_, help_;
+  const std::vector<std::string> labels_;
+  const std::vector<double> bounds_;
+  mutable absl::Mutex mu_;
+  std::map<std::vector<std::string>, Series> series_ ABSL_GUARDED_BY(mu_);
+};
+
+// Everything kvferryd exports. Pool gauges are read from `pools` at scrape time.
+class DaemonMetrics : public OpObserver {
+ public:
+  explicit DaemonMetrics(std::function<std::vector<PoolStats>()> pools);
+
+  // One finished RPC: method name, status code name (e.g. "OK", "INVALID_ARGUMENT").
+  void RecordRpc(const std::string& method, const std::string& code, double seconds);
+  void RecordBytes(const std::string& method, uint64_t received, uint64_t sent);
+  void RecordOp(const char* op, Layout layout, double seconds) override;
+
+  // The whole exposition text.
+  std::string Render() const;
+
+ private:
+  std::function<std::vector<PoolStats>()> pools_;
+  CounterFamily rpcs_;
+  HistogramFamily rpc_latency_;
+  CounterFamily errors_;
+  CounterFamily bytes_received_;
+  CounterFamily bytes_sent_;
+  HistogramFamily kernel_seconds_;
+};
+
+// Serves GET /metrics (and GET /healthz) on its own thread.
+class MetricsServer {
+ public:
+  // Binds `address` ("host:port"; port 0 picks a free one). The metrics outlive the server.
+  static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(const std::string& address,
+                                                              const DaemonMetrics* metrics);
+  ~MetricsServer();
+  int port() const { return port_; }
+
+ private:
+  MetricsServer() = default;
+  std::unique_ptr<httplib::Server> http_;
+  std::thread thread_;
+  int port_ = 0;
+};
+
+}  // namespace kvferry::server

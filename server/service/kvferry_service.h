@@ -1,0 +1,71 @@
+// The gRPC face of kvferryd: thin handlers that translate messages, call the core, and map
+// its status to a gRPC status once. Also the interceptor that feeds the RPC metrics.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/support/server_interceptor.h>
+
+#include <memory>
+
+#include "core/pool_manager.h"
+#include "kvferry/v1/kvferry.grpc.pb.h"
+#include "metrics/metrics.h"
+
+namespace kvferry::server {
+
+struct ServiceOptions {
+  int64_t default_chunk_bytes = 1 << 20;  // read stream pieces when the request says 0
+  int64_t max_chunk_bytes = 1 << 20;      // a request asking for more gets this
+  int64_t max_write_tokens = 1 << 20;     // tokens one WriteTokens may stage
+  int64_t max_write_bytes = int64_t{1} << 30;  // page bytes one WritePages may stage
+};
+
+// absl → gRPC, one explicit switch.
+grpc::Status ToGrpcStatus(const absl::Status& status);
+
+class KvFerryService final : public kvferry::v1::KvFerry::Service {
+ public:
+  KvFerryService(PoolManager* pools, ServiceOptions options)
+      : pools_(pools), options_(options) {}
+
+  grpc::Status CreatePool(grpc::ServerContext*, const v1::CreatePoolRequest*, v1::Pool*) override;
+  grpc::Status DescribePool(grpc::ServerContext*, const v1::DescribePoolRequest*,
+                            v1::Pool*) override;
+  grpc::Status ListPools(grpc::ServerContext*, const v1::ListPoolsRequest*,
+                         v1::ListPoolsResponse*) override;
+  grpc::Status DeletePool(grpc::ServerContext*, const v1::DeletePoolRequest*,
+                          v1::DeletePoolResponse*) override;
+  grpc::Status AllocatePages(grpc::ServerContext*, const v1::AllocatePagesRequest*,
+                             v1::AllocatePagesResponse*) override;
+  grpc::Status FreePages(grpc::ServerContext*, const v1::FreePagesRequest*,
+                         v1::FreePagesResponse*) override;
+  grpc::Status WriteTokens(grpc::ServerContext*, grpc::ServerReader<v1::WriteTokensRequest>*,
+                           v1::WriteResponse*) override;
+  grpc::Status WritePages(grpc::ServerContext*, grpc::ServerReader<v1::WritePagesRequest>*,
+                          v1::WriteResponse*) override;
+  grpc::Status ReadPages(grpc::ServerContext*, const v1::ReadPagesRequest*,
+                         grpc::ServerWriter<v1::PageChunk>*) override;
+  grpc::Status ReadWorkspace(grpc::ServerContext*, const v1::ReadWorkspaceRequest*,
+                             grpc::ServerWriter<v1::WorkspaceChunk>*) override;
+  grpc::Status GetStats(grpc::ServerContext*, const v1::GetStatsRequest*, v1::Stats*) override;
+
+ private:
+  int64_t ChunkBytes(uint32_t requested) const;
+
+  PoolManager* const pools_;
+  const ServiceOptions options_;
+};
+
+// Counts every RPC (method, status code, latency, message bytes) into DaemonMetrics.
+class MetricsInterceptorFactory final
+    : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  explicit MetricsInterceptorFactory(DaemonMetrics* metrics) : metrics_(metrics) {}
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override;
+
+ private:
+  DaemonMetrics* const metrics_;
+};
+
+}  // namespace kvferry::server
