@@ -334,7 +334,10 @@ absl::StatusOr<int64_t> Pool::PageWrite::Commit() {
 // ---- reads -------------------------------------------------------------------------------
 
 absl::Status Pool::ReadPages(std::span<const PageHandle> pages, std::span<const int> layers_in,
-                             Layout out_layout, int64_t chunk_bytes, const Sink& sink) {
+                             std::optional<Layout> transcode_to, int64_t chunk_bytes,
+                             const Sink& sink) {
+  const Layout out_layout = transcode_to.value_or(config_.layout);
+  const bool transcode = transcode_to.has_value();
   std::vector<int> layers(layers_in.begin(), layers_in.end());
   if (layers.empty()) {
     for (int l = 0; l < config_.num_layers; ++l) layers.push_back(l);
@@ -350,7 +353,6 @@ absl::Status Pool::ReadPages(std::span<const PageHandle> pages, std::span<const 
   const PoolGeometry g = geometry();
   const int64_t in_page = g.page_bytes();
   const int64_t out_page = PageBytes(out_layout, config_.page_size);
-  const bool transcode = out_layout != config_.layout;
   const int64_t per_page = out_page * static_cast<int64_t>(layers.size());
   const int64_t batch = std::clamp<int64_t>(chunk_bytes / std::max<int64_t>(per_page, 1), 1,
                                             std::max<int64_t>(1, static_cast<int64_t>(pages.size())));

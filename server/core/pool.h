@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -144,11 +145,12 @@ class Pool {
   absl::StatusOr<std::unique_ptr<PageWrite>> BeginPageWrite(int64_t max_bytes);
 
   // Streams the pages (for each page, each listed layer; all layers when `layers` is
-  // empty), in `out_layout` (transcoding written slots, others zero), to `sink` in pieces
-  // of at most chunk_bytes. `sink` gets the bytes and the output page size.
+  // empty) to `sink` in pieces of at most chunk_bytes: the stored bytes, or with
+  // `transcode_to`, every written slot transcoded to that layout (others zero).
   using Sink = std::function<absl::Status(std::string& bytes)>;
   absl::Status ReadPages(std::span<const PageHandle> pages, std::span<const int> layers,
-                         Layout out_layout, int64_t chunk_bytes, const Sink& sink);
+                         std::optional<Layout> transcode_to, int64_t chunk_bytes,
+                         const Sink& sink);
 
   // Streams dequantized rows of one layer for the locations, chunk_rows rows per piece.
   absl::Status ReadWorkspace(int layer, std::span<const TokenLocation> locations,

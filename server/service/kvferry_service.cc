@@ -296,10 +296,12 @@ grpc::Status KvFerryService::ReadPages(ServerContext* context, const v1::ReadPag
   absl::StatusOr<std::shared_ptr<Pool>> pool = pools_->Get(req->pool());
   if (!pool.ok()) return ToGrpcStatus(pool.status());
   Layout out_layout = (*pool)->config().layout;
+  std::optional<Layout> transcode_to;
   if (req->transcode_to() != v1::LAYOUT_UNSPECIFIED) {
     absl::StatusOr<Layout> l = FromProto(req->transcode_to());
     if (!l.ok()) return ToGrpcStatus(l.status());
     out_layout = *l;
+    transcode_to = *l;
   }
   std::vector<PageHandle> pages;
   for (const auto& h : req->pages()) pages.push_back(FromProto(h));
@@ -309,7 +311,7 @@ grpc::Status KvFerryService::ReadPages(ServerContext* context, const v1::ReadPag
   uint64_t offset = 0;
   v1::PageChunk chunk;
   const absl::Status s = (*pool)->ReadPages(
-      pages, layers, out_layout, ChunkBytes(req->chunk_bytes()), [&](std::string& bytes) {
+      pages, layers, transcode_to, ChunkBytes(req->chunk_bytes()), [&](std::string& bytes) {
         if (context->IsCancelled()) return ClientGone(context);
         chunk.set_offset(offset);
         chunk.set_xxh64(XXH64(bytes.data(), bytes.size(), 0));

@@ -1,0 +1,224 @@
+// Starts the real kvferryd binary on free loopback ports and connects generated stubs.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kvferry/kernels/format.h"
+#include "kvferry/v1/kvferry.grpc.pb.h"
+
+namespace kvferry::testing {
+
+// The device pools are created on: KVFERRY_TEST_DEVICE (e.g. cuda:0), default cpu.
+inline std::string TestDevice() {
+  const char* d = std::getenv("KVFERRY_TEST_DEVICE");
+  return d != nullptr && *d != '\0' ? d : "cpu";
+}
+
+// The daemon binary: set by CMake, or KVFERRY_DAEMON when run from elsewhere.
+inline std::string DaemonPath() {
+  const char* d = std::getenv("KVFERRY_DAEMON");
+  return d != nullptr && *d != '\0' ? d : KVFERRY_DAEMON_PATH;
+}
+
+class Daemon {
+ public:
+  explicit Daemon(std::vector<std::string> extra_flags = {}) {
+    char dir[] = "/tmp/kvferryd-test-XXXXXX";
+    if (mkdtemp(dir) == nullptr) throw std::runtime_error("mkdtemp");
+    dir_ = dir;
+    const std::string port_file = dir_ + "/ports";
+    std::vector<std::string> args = {DaemonPath(), "--listen=127.0.0.1:0",
+                                     "--metrics_listen=127.0.0.1:0", "--port_file=" + port_file,
+                                     "--log_level=warn"};
+    args.insert(args.end(), extra_flags.begin(), extra_flags.end());
+    pid_ = fork();
+    if (pid_ == 0) {
+      std::vector<char*> argv;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (std::chrono::steady_clock::now() < deadline) {
+      std::ifstream in(port_file);
+      if (in >> grpc_port_ >> metrics_port_) break;
+      int status;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        throw std::runtime_error("kvferryd exited during start-up");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (grpc_port_ == 0) throw std::runtime_error("kvferryd did not start within 30 s");
+    grpc::ChannelArguments channel_args;
+    channel_args.SetMaxReceiveMessageSize(64 << 20);
+    channel_args.SetMaxSendMessageSize(64 << 20);
+    channel_ = grpc::CreateCustomChannel("127.0.0.1:" + std::to_string(grpc_port_),
+                                         grpc::InsecureChannelCredentials(), channel_args);
+    stub_ = v1::KvFerry::NewStub(channel_);
+  }
+
+  ~Daemon() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    std::system(("rm -rf '" + dir_ + "'").c_str());
+  }
+
+  // Sends SIGTERM and returns the exit code (-1 if killed by a signal or over 30 s).
+  int Terminate() {
+    kill(pid_, SIGTERM);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    int status = 0;
+    while (std::chrono::steady_clock::now() < deadline) {
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        pid_ = -1;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return -1;
+  }
+
+  v1::KvFerry::Stub& stub() { return *stub_; }
+  std::shared_ptr<grpc::Channel> channel() { return channel_; }
+  int metrics_port() const { return metrics_port_; }
+  const std::string& dir() const { return dir_; }
+
+ private:
+  std::string dir_;
+  pid_t pid_ = -1;
+  int grpc_port_ = 0, metrics_port_ = 0;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::KvFerry::Stub> stub_;
+};
+
+inline v1::Layout ProtoLayout(Layout layout) {
+  return static_cast<v1::Layout>(static_cast<int>(layout) + 1);
+}
+
+// Creates a pool; fails the test on error.
+inline v1::Pool CreatePool(Daemon& d, const std::string& name, Layout layout, int page_size,
+                           int64_t num_pages, int num_layers = 1) {
+  grpc::ClientContext ctx;
+  v1::CreatePoolRequest req;
+  req.set_name(name);
+  req.set_layout(ProtoLayout(layout));
+  req.set_page_size(page_size);
+  req.set_num_pages(num_pages);
+  req.set_num_layers(num_layers);
+  req.set_device(TestDevice());
+  v1::Pool pool;
+  const grpc::Status s = d.stub().CreatePool(&ctx, req, &pool);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  return pool;
+}
+
+inline std::vector<v1::PageHandle> Allocate(Daemon& d, const std::string& pool, int count) {
+  grpc::ClientContext ctx;
+  v1::AllocatePagesRequest req;
+  req.set_pool(pool);
+  req.set_count(count);
+  v1::AllocatePagesResponse resp;
+  const grpc::Status s = d.stub().AllocatePages(&ctx, req, &resp);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  return {resp.pages().begin(), resp.pages().end()};
+}
+
+// One WriteTokens call: rows [n, 512] bf16 for locations, split into messages of `per`.
+inline grpc::Status WriteTokens(Daemon& d, const std::string& pool, int layer,
+                                const std::vector<v1::TokenLocation>& locs,
+                                const std::vector<uint16_t>& rows, size_t per = 256,
+                                v1::WriteResponse* out = nullptr) {
+  grpc::ClientContext ctx;
+  v1::WriteResponse resp;
+  auto writer = d.stub().WriteTokens(&ctx, &resp);
+  for (size_t first = 0; first < locs.size(); first += per) {
+    const size_t n = std::min(per, locs.size() - first);
+    v1::WriteTokensRequest msg;
+    if (first == 0) {
+      msg.set_pool(pool);
+      msg.set_layer(layer);
+    }
+    for (size_t i = 0; i < n; ++i) *msg.add_locations() = locs[first + i];
+    msg.set_rows(reinterpret_cast<const char*>(rows.data() + first * kHeadDim), n * kBf16RowBytes);
+    if (!writer->Write(msg)) break;
+  }
+  writer->WritesDone();
+  const grpc::Status s = writer->Finish();
+  if (out != nullptr) *out = resp;
+  return s;
+}
+
+// ReadPages into one byte string; checks each chunk's offset and XXH64.
+inline grpc::Status ReadPages(Daemon& d, const std::string& pool,
+                              const std::vector<v1::PageHandle>& pages, std::string* bytes,
+                              v1::Layout transcode_to = v1::LAYOUT_UNSPECIFIED,
+                              std::vector<uint32_t> layers = {}) {
+  grpc::ClientContext ctx;
+  v1::ReadPagesRequest req;
+  req.set_pool(pool);
+  for (const auto& p : pages) *req.add_pages() = p;
+  for (uint32_t l : layers) req.add_layers(l);
+  req.set_transcode_to(transcode_to);
+  auto reader = d.stub().ReadPages(&ctx, req);
+  v1::PageChunk chunk;
+  bytes->clear();
+  while (reader->Read(&chunk)) {
+    EXPECT_EQ(chunk.offset(), bytes->size());
+    EXPECT_EQ(chunk.xxh64(), XXH64(chunk.data().data(), chunk.data().size(), 0));
+    bytes->append(chunk.data());
+  }
+  return reader->Finish();
+}
+
+inline grpc::Status ReadWorkspace(Daemon& d, const std::string& pool, int layer,
+                                  const std::vector<v1::TokenLocation>& locs,
+                                  std::vector<uint16_t>* rows) {
+  grpc::ClientContext ctx;
+  v1::ReadWorkspaceRequest req;
+  req.set_pool(pool);
+  req.set_layer(layer);
+  for (const auto& l : locs) *req.add_locations() = l;
+  auto reader = d.stub().ReadWorkspace(&ctx, req);
+  v1::WorkspaceChunk chunk;
+  std::string bytes;
+  while (reader->Read(&chunk)) {
+    EXPECT_EQ(chunk.first_row() * kBf16RowBytes, bytes.size());
+    EXPECT_EQ(chunk.xxh64(), XXH64(chunk.rows().data(), chunk.rows().size(), 0));
+    bytes.append(chunk.rows());
+  }
+  rows->resize(bytes.size() / 2);
+  std::memcpy(rows->data(), bytes.data(), bytes.size());
+  return reader->Finish();
+}
+
+inline v1::Stats GetStats(Daemon& d) {
+  grpc::ClientContext ctx;
+  v1::Stats stats;
+  EXPECT_TRUE(d.stub().GetStats(&ctx, v1::GetStatsRequest(), &stats).ok());
+  return stats;
+}
+
+inline v1::TokenLocation Location(const v1::PageHandle& page, uint32_t slot) {
+  v1::TokenLocation l;
+  *l.mutable_page() = page;
+  l.set_slot(slot);
+  return l;
+}
+
+}  // namespace kvferry::testing
