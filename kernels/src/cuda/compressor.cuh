@@ -15,36 +15,60 @@ inline constexpr int kRowThreads = compressor_math::kRowThreads;          // 128
 inline constexpr int kC128Blocks = compressor_math::kC128RowBlocks;       // 4
 inline constexpr int kC128Threads = kRowThreads * kC128Blocks;            // 512
 
+// Loads rows [first, first + kBatch) (those below `count`) of the window for row thread g.
+template <int kRatio, int kBatch>
+__device__ __forceinline__ void LoadRows(const float* __restrict__ kv,
+                                         const float* __restrict__ score, int64_t first_position,
+                                         int64_t end_pos, int64_t begin, int first, int count,
+                                         int g, float4 (&s)[kBatch], float4 (&v)[kBatch]) {
+  constexpr int64_t kWidth = int64_t{kRatio == 4 ? 2 : 1} * kHeadDim;
+#pragma unroll
+  for (int j = 0; j < kBatch; ++j) {
+    const int64_t pos = begin + first + j;
+    const int64_t half = (kRatio == 4 && end_pos - pos < 4) ? kHeadDim : 0;
+    const int64_t at = (pos - first_position) * kWidth + half + kCompressValues * g;
+    if (first + j < count) {
+      s[j] = __ldg(reinterpret_cast<const float4*>(score + at));
+      v[j] = __ldg(reinterpret_cast<const float4*>(kv + at));
+    }
+  }
+}
+
+template <int kBatch>
+__device__ __forceinline__ void AddRows(const float4 (&s)[kBatch], const float4 (&v)[kBatch],
+                                        int first, int count,
+                                        OnlineSoftmax (&state)[kCompressValues]) {
+#pragma unroll
+  for (int j = 0; j < kBatch; ++j) {
+    if (first + j < count) {
+      state[0].AddRow(s[j].x, v[j].x);
+      state[1].AddRow(s[j].y, v[j].y);
+      state[2].AddRow(s[j].z, v[j].z);
+      state[3].AddRow(s[j].w, v[j].w);
+    }
+  }
+}
+
 // Pools rows [begin, begin + count) of the window ending at end_pos into `state`, for the
-// 4 channels of row thread g. Rows are loaded 8 at a time before any is used, so the
-// loads are in flight together instead of one row's latency per iteration.
-template <int kRatio>
+// 4 channels of row thread g, kBatch rows at a time; the next batch's loads are issued
+// before the current batch is folded in, so memory latency overlaps the arithmetic.
+template <int kRatio, int kBatch>
 __device__ __forceinline__ void PoolRows(const float* __restrict__ kv,
                                          const float* __restrict__ score, int64_t first_position,
                                          int64_t end_pos, int64_t begin, int count, int g,
                                          OnlineSoftmax (&state)[kCompressValues]) {
-  constexpr int64_t kWidth = int64_t{kRatio == 4 ? 2 : 1} * kHeadDim;
-  constexpr int kBatch = kRatio < 8 ? kRatio * (kRatio == 4 ? 2 : 1) : 8;
+  float4 s[kBatch], v[kBatch], s_next[kBatch], v_next[kBatch];
+  LoadRows<kRatio>(kv, score, first_position, end_pos, begin, 0, count, g, s, v);
   for (int first = 0; first < count; first += kBatch) {
-    float4 s[kBatch], v[kBatch];
-#pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      const int64_t pos = begin + first + j;
-      const int64_t half = (kRatio == 4 && end_pos - pos < 4) ? kHeadDim : 0;
-      const int64_t at = (pos - first_position) * kWidth + half + kCompressValues * g;
-      if (first + j < count) {
-        s[j] = __ldg(reinterpret_cast<const float4*>(score + at));
-        v[j] = __ldg(reinterpret_cast<const float4*>(kv + at));
-      }
+    if (first + kBatch < count) {
+      LoadRows<kRatio>(kv, score, first_position, end_pos, begin, first + kBatch, count, g,
+                       s_next, v_next);
     }
+    AddRows(s, v, first, count, state);
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
-      if (first + j < count) {
-        state[0].AddRow(s[j].x, v[j].x);
-        state[1].AddRow(s[j].y, v[j].y);
-        state[2].AddRow(s[j].z, v[j].z);
-        state[3].AddRow(s[j].w, v[j].w);
-      }
+      s[j] = s_next[j];
+      v[j] = v_next[j];
     }
   }
 }
@@ -156,7 +180,7 @@ __device__ __forceinline__ void FinishEntry(const float (&pooled)[kCompressValue
 
 // Ratios 1, 2, 4: one CTA of 128 threads pools and finishes one entry.
 template <Layout L, int kRatio, bool kFakeQuant>
-__global__ void __launch_bounds__(kRowThreads)
+__global__ void __launch_bounds__(kRowThreads, 8)
     CompressKernel(const CompressorParams p, int64_t first_end) {
   __shared__ float warp_sums[4];
   WaitForPrerequisiteGrid();
@@ -176,8 +200,8 @@ __global__ void __launch_bounds__(kRowThreads)
     constexpr int64_t kSpan = kRatio == 4 ? 8 : kRatio;
     OnlineSoftmax state[kCompressValues];
     const int64_t begin = end_pos - kSpan + 1 > 0 ? end_pos - kSpan + 1 : 0;
-    PoolRows<kRatio>(p.kv, p.score, p.first_position, end_pos, begin,
-                     static_cast<int>(end_pos - begin + 1), g, state);
+    PoolRows<kRatio, 2>(p.kv, p.score, p.first_position, end_pos, begin,
+                        static_cast<int>(end_pos - begin + 1), g, state);
 #pragma unroll
     for (int i = 0; i < kCompressValues; ++i) pooled[i] = state[i].Result();
   }
@@ -200,8 +224,8 @@ __global__ void __launch_bounds__(kC128Threads)
   const int64_t end_pos = first_end + entry * 128;
   constexpr int kRows = 128 / kC128Blocks;
   OnlineSoftmax state[kCompressValues];
-  PoolRows<128>(p.kv, p.score, p.first_position, end_pos, end_pos - 127 + block * kRows, kRows,
-                g, state);
+  PoolRows<128, 4>(p.kv, p.score, p.first_position, end_pos, end_pos - 127 + block * kRows,
+                   kRows, g, state);
   if (block > 0) {
     block_state[block - 1][0][g] = make_float4(state[0].m, state[1].m, state[2].m, state[3].m);
     block_state[block - 1][1][g] =
