@@ -17,12 +17,12 @@
 namespace kvferry::server {
 
 DeviceMemory::~DeviceMemory() {
-  if (backend_ != nullptr && ptr_ != nullptr) backend_->Release(ptr_);
+  if (backend_ != nullptr && ptr_ != nullptr) backend_->Release(ptr_, bytes_);
 }
 
 DeviceMemory& DeviceMemory::operator=(DeviceMemory&& other) noexcept {
   if (this != &other) {
-    if (backend_ != nullptr && ptr_ != nullptr) backend_->Release(ptr_);
+    if (backend_ != nullptr && ptr_ != nullptr) backend_->Release(ptr_, bytes_);
     backend_ = other.backend_;
     ptr_ = other.ptr_;
     bytes_ = other.bytes_;
@@ -47,14 +47,14 @@ class CpuBackend final : public Backend {
     return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page_size);
   }
 
-  absl::StatusOr<DeviceMemory> Allocate(size_t bytes) override {
+  absl::StatusOr<DeviceMemory> Allocate(size_t bytes, bool zero) override {
     absl::StatusOr<uint64_t> free_bytes = FreeBytes();
     if (!free_bytes.ok()) return free_bytes.status();
     if (bytes > *free_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "cpu: ", bytes, " bytes requested, ", *free_bytes, " bytes of host memory free"));
     }
-    void* ptr = std::calloc(bytes == 0 ? 1 : bytes, 1);  // zero-filled
+    void* ptr = zero ? std::calloc(bytes == 0 ? 1 : bytes, 1) : std::malloc(bytes == 0 ? 1 : bytes);
     if (ptr == nullptr) {
       return absl::ResourceExhaustedError(absl::StrCat("cpu: cannot allocate ", bytes, " bytes"));
     }
@@ -105,7 +105,7 @@ class CpuBackend final : public Backend {
   }
 
  protected:
-  void Release(void* ptr) override { std::free(ptr); }
+  void Release(void* ptr, size_t) override { std::free(ptr); }
 
  private:
   const std::string device_ = "cpu";

@@ -49,8 +49,9 @@ class Backend {
   // Bytes that an Allocate could still get, as the device reports it.
   virtual absl::StatusOr<uint64_t> FreeBytes() = 0;
 
-  // Allocates `bytes` of zero-filled device memory. RESOURCE_EXHAUSTED when it does not fit.
-  virtual absl::StatusOr<DeviceMemory> Allocate(size_t bytes) = 0;
+  // Allocates `bytes` of device memory, zero-filled unless `zero` is false (staging that is
+  // overwritten anyway). RESOURCE_EXHAUSTED when it does not fit.
+  virtual absl::StatusOr<DeviceMemory> Allocate(size_t bytes, bool zero = true) = 0;
 
   virtual absl::Status CopyToDevice(void* device_dst, const void* host_src, size_t bytes) = 0;
   virtual absl::Status CopyToHost(void* host_dst, const void* device_src, size_t bytes) = 0;
@@ -70,7 +71,7 @@ class Backend {
 
  protected:
   friend class DeviceMemory;
-  virtual void Release(void* ptr) = 0;
+  virtual void Release(void* ptr, size_t bytes) = 0;
 };
 
 // "cpu" or "cuda:N" (the latter only in builds with CUDA and on machines with that GPU).

@@ -5,7 +5,11 @@
 
 #include <cuda_runtime_api.h>
 
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "kvferry/kernels/cuda_ops.h"
 
 namespace kvferry::server {
@@ -21,6 +25,7 @@ using cuda::CudaStatus;
 class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(int index) : index_(index), device_(absl::StrCat("cuda:", index)) {}
+  ~CudaBackend() override { DropCache(); }
 
   const std::string& device() const override { return device_; }
 
@@ -31,24 +36,29 @@ class CudaBackend final : public Backend {
     return free_bytes;
   }
 
-  absl::StatusOr<DeviceMemory> Allocate(size_t bytes) override {
-    absl::StatusOr<uint64_t> free_bytes = FreeBytes();
-    if (!free_bytes.ok()) return free_bytes.status();
-    if (bytes > *free_bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat(device_, ": ", bytes,
-                                                       " bytes requested, ", *free_bytes,
-                                                       " bytes free"));
-    }
-    void* ptr = nullptr;
-    const cudaError_t error = cudaMalloc(&ptr, bytes == 0 ? 1 : bytes);
-    if (error != cudaSuccess) {
-      cudaGetLastError();
-      return absl::ResourceExhaustedError(
-          absl::StrCat(device_, ": cudaMalloc of ", bytes, " bytes: ", cudaGetErrorString(error)));
+  absl::StatusOr<DeviceMemory> Allocate(size_t bytes, bool zero) override {
+    void* ptr = TakeCached(bytes);
+    if (ptr == nullptr) {
+      absl::StatusOr<uint64_t> free_bytes = FreeBytes();
+      if (!free_bytes.ok()) return free_bytes.status();
+      if (bytes > *free_bytes) DropCache();  // cached blocks may be what is missing
+      if (bytes > *free_bytes + cached_bytes()) {
+        return absl::ResourceExhaustedError(absl::StrCat(device_, ": ", bytes,
+                                                         " bytes requested, ", *free_bytes,
+                                                         " bytes free"));
+      }
+      const cudaError_t error = cudaMalloc(&ptr, bytes == 0 ? 1 : bytes);
+      if (error != cudaSuccess) {
+        cudaGetLastError();
+        return absl::ResourceExhaustedError(absl::StrCat(
+            device_, ": cudaMalloc of ", bytes, " bytes: ", cudaGetErrorString(error)));
+      }
     }
     DeviceMemory memory(this, ptr, bytes);
-    KVF_CUDA_RETURN(cudaMemsetAsync(ptr, 0, bytes, cudaStreamPerThread), "zero-fill");
-    KVF_CUDA_RETURN(cudaStreamSynchronize(cudaStreamPerThread), "zero-fill");
+    if (zero) {
+      KVF_CUDA_RETURN(cudaMemsetAsync(ptr, 0, bytes, cudaStreamPerThread), "zero-fill");
+      KVF_CUDA_RETURN(cudaStreamSynchronize(cudaStreamPerThread), "zero-fill");
+    }
     return memory;
   }
 
@@ -92,12 +102,56 @@ class CudaBackend final : public Backend {
   }
 
  protected:
-  void Release(void* ptr) override {
+  // Small blocks (request staging and scratch) go back to a cache instead of cudaFree,
+  // which synchronizes the device; pools and large blocks are freed at once.
+  void Release(void* ptr, size_t bytes) override {
+    if (bytes <= kMaxCachedBlock) {
+      absl::MutexLock lock(&cache_mu_);
+      if (cached_ + bytes <= kMaxCachedBytes) {
+        cache_[bytes].push_back(ptr);
+        cached_ += bytes;
+        return;
+      }
+    }
     cudaSetDevice(index_);
     cudaFree(ptr);
   }
 
  private:
+  static constexpr size_t kMaxCachedBlock = size_t{64} << 20;
+  static constexpr size_t kMaxCachedBytes = size_t{1} << 30;
+
+  // Rounds a small request up to a power of two (its cache bucket) and returns a cached
+  // block of that size, or null.
+  void* TakeCached(size_t& bytes) {
+    if (bytes > kMaxCachedBlock) return nullptr;
+    size_t rounded = 256;
+    while (rounded < bytes) rounded <<= 1;
+    bytes = rounded;
+    absl::MutexLock lock(&cache_mu_);
+    auto& blocks = cache_[rounded];
+    void* ptr = nullptr;
+    if (!blocks.empty()) {
+      ptr = blocks.back();
+      blocks.pop_back();
+      cached_ -= rounded;
+    }
+    return ptr;
+  }
+  size_t cached_bytes() {
+    absl::MutexLock lock(&cache_mu_);
+    return cached_;
+  }
+  void DropCache() {
+    absl::MutexLock lock(&cache_mu_);
+    cudaSetDevice(index_);
+    for (auto& [size, blocks] : cache_) {
+      for (void* p : blocks) cudaFree(p);
+      blocks.clear();
+    }
+    cached_ = 0;
+  }
+
   absl::Status Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
     if (bytes == 0) return absl::OkStatus();
     KVF_CUDA_RETURN(cudaSetDevice(index_), "cudaSetDevice");
@@ -114,6 +168,9 @@ class CudaBackend final : public Backend {
 
   const int index_;
   const std::string device_;
+  absl::Mutex cache_mu_;
+  absl::flat_hash_map<size_t, std::vector<void*>> cache_ ABSL_GUARDED_BY(cache_mu_);
+  size_t cached_ ABSL_GUARDED_BY(cache_mu_) = 0;
 };
 
 }  // namespace

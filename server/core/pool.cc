@@ -227,9 +227,10 @@ absl::Status Pool::TokenWrite::Add(std::span<const TokenLocation> locations,
   Chunk chunk;
   chunk.n = n;
   if (n > 0) {
-    absl::StatusOr<DeviceMemory> d_rows = pool_->backend_->Allocate(rows.size());
+    absl::StatusOr<DeviceMemory> d_rows = pool_->backend_->Allocate(rows.size(), /*zero=*/false);
     if (!d_rows.ok()) return d_rows.status();
-    absl::StatusOr<DeviceMemory> d_locs = pool_->backend_->Allocate(n * sizeof(int64_t));
+    absl::StatusOr<DeviceMemory> d_locs =
+        pool_->backend_->Allocate(n * sizeof(int64_t), /*zero=*/false);
     if (!d_locs.ok()) return d_locs.status();
     KVF_RETURN_IF_ERROR(pool_->backend_->CopyToDevice(d_rows->get(), host_rows.data(), rows.size()));
     KVF_RETURN_IF_ERROR(pool_->backend_->CopyToDevice(d_locs->get(), tokens.data(), n * sizeof(int64_t)));
@@ -282,7 +283,7 @@ absl::Status Pool::PageWrite::Add(const PageHandle& page, int layer, uint64_t of
       return absl::ResourceExhaustedError(absl::StrCat("write of more than ", max_bytes_,
                                                        " bytes; split it into several writes"));
     }
-    absl::StatusOr<DeviceMemory> staging = pool.backend_->Allocate(page_bytes);
+    absl::StatusOr<DeviceMemory> staging = pool.backend_->Allocate(page_bytes, /*zero=*/false);
     if (!staging.ok()) return staging.status();
     pages_.push_back(Staged{page, layer, std::move(*staging), 0});
     staged_bytes_ += static_cast<int64_t>(page_bytes);
@@ -357,7 +358,7 @@ absl::Status Pool::ReadPages(std::span<const PageHandle> pages, std::span<const 
   const int64_t batch = std::clamp<int64_t>(chunk_bytes / std::max<int64_t>(per_page, 1), 1,
                                             std::max<int64_t>(1, static_cast<int64_t>(pages.size())));
   // Device scratch for one batch: the gathered pages, the transcoded pages, locations.
-  absl::StatusOr<DeviceMemory> gathered = backend_->Allocate(batch * in_page);
+  absl::StatusOr<DeviceMemory> gathered = backend_->Allocate(batch * in_page, /*zero=*/false);
   if (!gathered.ok()) return gathered.status();
   DeviceMemory converted, locs, page_ids;
   if (transcode) {
@@ -444,9 +445,9 @@ absl::Status Pool::ReadWorkspace(int layer, std::span<const TokenLocation> locat
   }
   const int64_t total = static_cast<int64_t>(locations.size());
   const int64_t batch = std::clamp<int64_t>(chunk_rows, 1, std::max<int64_t>(total, 1));
-  absl::StatusOr<DeviceMemory> d_locs = backend_->Allocate(batch * sizeof(int64_t));
+  absl::StatusOr<DeviceMemory> d_locs = backend_->Allocate(batch * sizeof(int64_t), /*zero=*/false);
   if (!d_locs.ok()) return d_locs.status();
-  absl::StatusOr<DeviceMemory> d_out = backend_->Allocate(batch * kBf16RowBytes);
+  absl::StatusOr<DeviceMemory> d_out = backend_->Allocate(batch * kBf16RowBytes, /*zero=*/false);
   if (!d_out.ok()) return d_out.status();
   std::string rows;
   const PoolGeometry g = geometry();
