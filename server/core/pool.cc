@@ -220,10 +220,7 @@ absl::Status Pool::TokenWrite::Add(std::span<const TokenLocation> locations,
     }
     generations_[locations[i].page.page_id] = locations[i].page.generation;
   }
-  // Rows arrive as bytes: copy into aligned storage before reading them as bf16.
-  std::vector<uint16_t> host_rows(n * kHeadDim);
-  std::memcpy(host_rows.data(), rows.data(), rows.size());
-  KVF_RETURN_IF_ERROR(ValidateFinite(host_rows, tokens_));
+  KVF_RETURN_IF_ERROR(ValidateFiniteBytes(rows, tokens_));
   Chunk chunk;
   chunk.n = n;
   if (n > 0) {
@@ -232,7 +229,7 @@ absl::Status Pool::TokenWrite::Add(std::span<const TokenLocation> locations,
     absl::StatusOr<DeviceMemory> d_locs =
         pool_->backend_->Allocate(n * sizeof(int64_t), /*zero=*/false);
     if (!d_locs.ok()) return d_locs.status();
-    KVF_RETURN_IF_ERROR(pool_->backend_->CopyToDevice(d_rows->get(), host_rows.data(), rows.size()));
+    KVF_RETURN_IF_ERROR(pool_->backend_->CopyToDevice(d_rows->get(), rows.data(), rows.size()));
     KVF_RETURN_IF_ERROR(pool_->backend_->CopyToDevice(d_locs->get(), tokens.data(), n * sizeof(int64_t)));
     chunk.rows = std::move(*d_rows);
     chunk.locs = std::move(*d_locs);

@@ -2,6 +2,7 @@
 #include "common/random_rows.h"
 #include "gtest/gtest.h"
 #include "kvferry/kernels/ops.h"
+#include "kvferry/kernels/validate.h"
 
 namespace kvferry {
 namespace {
@@ -135,6 +136,37 @@ TEST_F(ReferenceInvalidTest, ScatterWithShortBufferLeavesPoolUnchanged) {
   EXPECT_EQ(reference::ScatterPages(pg, buffer, std::vector<int64_t>{0, 1}, pool_).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(pool_ == before_);
+}
+
+}  // namespace
+}  // namespace kvferry
+
+namespace kvferry {
+namespace {
+
+TEST(ValidateFiniteTest, FindsEveryNonFiniteValueAtAnyPositionAndAlignment) {
+  for (size_t offset : {0, 1, 3}) {  // the bytes as they sit in a message, any alignment
+    for (int position = 0; position < 2 * 512; position += 37) {
+      for (uint16_t bad : {uint16_t{0x7FC0}, uint16_t{0xFF80}, uint16_t{0x7F81}}) {
+        std::vector<uint8_t> bytes(offset + 2 * 2 * 512, 0x3C);  // finite values
+        bytes[offset + 2 * position] = static_cast<uint8_t>(bad & 0xFF);
+        bytes[offset + 2 * position + 1] = static_cast<uint8_t>(bad >> 8);
+        const absl::Status s =
+            ValidateFiniteBytes(std::span(bytes).subspan(offset), /*first_row=*/10);
+        ASSERT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << position;
+        const std::string where = "row " + std::to_string(10 + position / 512) + " dim " +
+                                  std::to_string(position % 512) + " is ";
+        EXPECT_NE(s.message().find(where), std::string::npos) << s.message();
+      }
+    }
+    // Values next to the non-finite ones (largest finite, -0, subnormal) pass.
+    std::vector<uint8_t> bytes(offset, 0);
+    for (uint16_t ok : {uint16_t{0x7F7F}, uint16_t{0xFF7F}, uint16_t{0x8000}, uint16_t{0x0001}}) {
+      bytes.push_back(static_cast<uint8_t>(ok & 0xFF));
+      bytes.push_back(static_cast<uint8_t>(ok >> 8));
+    }
+    EXPECT_TRUE(ValidateFiniteBytes(std::span(bytes).subspan(offset)).ok());
+  }
 }
 
 }  // namespace

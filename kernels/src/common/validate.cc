@@ -2,6 +2,7 @@
 #include "kvferry/kernels/validate.h"
 
 #include <algorithm>
+#include <cstring>
 #include <numeric>
 #include <vector>
 
@@ -39,17 +40,43 @@ absl::Status ValidateRowShape(int64_t num_values, int64_t num_rows) {
   return absl::OkStatus();
 }
 
-absl::Status ValidateFinite(std::span<const uint16_t> rows, int64_t first_row) {
-  for (size_t i = 0; i < rows.size(); ++i) {
-    if (numerics::Bf16IsNonFinite(rows[i])) {
-      const bool is_nan = (rows[i] & 0x7Fu) != 0;
+namespace {
+
+// The error for the first non-finite value at or after value index `from`.
+absl::Status NonFiniteError(std::span<const uint8_t> rows, size_t from, int64_t first_row) {
+  for (size_t i = from; 2 * i + 1 < rows.size(); ++i) {
+    const uint16_t v = static_cast<uint16_t>(rows[2 * i] | (rows[2 * i + 1] << 8));
+    if (numerics::Bf16IsNonFinite(v)) {
+      const bool is_nan = (v & 0x7Fu) != 0;
       return absl::InvalidArgumentError(absl::StrCat(
-          "row ", first_row + static_cast<int64_t>(i / kHeadDim), " dim ", i % kHeadDim,
-          " is ", is_nan ? "NaN" : ((rows[i] & 0x8000u) ? "-Inf" : "+Inf"),
-          ": KV rows must be finite"));
+          "row ", first_row + static_cast<int64_t>(i / kHeadDim), " dim ", i % kHeadDim, " is ",
+          is_nan ? "NaN" : ((v & 0x8000u) ? "-Inf" : "+Inf"), ": KV rows must be finite"));
     }
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateFiniteBytes(std::span<const uint8_t> rows, int64_t first_row) {
+  // Four bf16 values per 64-bit word: a value is NaN or Inf when its exponent bits are all
+  // set, i.e. when (v & 0x7F80) ^ 0x7F80 is zero; the classic has-zero-lane test finds one.
+  constexpr uint64_t kExponent = 0x7F807F807F807F80ull;
+  constexpr uint64_t kOnes = 0x0001000100010001ull;
+  constexpr uint64_t kHigh = 0x8000800080008000ull;
+  size_t at = 0;
+  for (; at + 8 <= rows.size(); at += 8) {
+    uint64_t w;
+    std::memcpy(&w, rows.data() + at, 8);
+    const uint64_t lanes = (w & kExponent) ^ kExponent;
+    if (((lanes - kOnes) & ~lanes & kHigh) != 0) return NonFiniteError(rows, at / 2, first_row);
+  }
+  return NonFiniteError(rows, at / 2, first_row);
+}
+
+absl::Status ValidateFinite(std::span<const uint16_t> rows, int64_t first_row) {
+  return ValidateFiniteBytes({reinterpret_cast<const uint8_t*>(rows.data()), rows.size() * 2},
+                             first_row);
 }
 
 absl::Status ValidateLocations(std::span<const int64_t> locs, int64_t limit, bool unique,

@@ -20,6 +20,9 @@ absl::Status ValidateRowShape(int64_t num_values, int64_t num_rows);
 // No NaN or ±Inf among the rows. `first_row` offsets the row index in the message (for
 // callers that validate a stream chunk by chunk).
 absl::Status ValidateFinite(std::span<const uint16_t> rows, int64_t first_row = 0);
+// The same for rows still held as little-endian bytes (any alignment), as they arrive off
+// the wire.
+absl::Status ValidateFiniteBytes(std::span<const uint8_t> rows, int64_t first_row = 0);
 
 // Every location in [0, limit); when `unique`, no location appears twice.
 absl::Status ValidateLocations(std::span<const int64_t> locs, int64_t limit, bool unique,
