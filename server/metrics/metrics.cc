@@ -101,8 +101,8 @@ DaemonMetrics::DaemonMetrics(std::function<std::vector<PoolStats>()> pools)
     : pools_(std::move(pools)),
       rpcs_("kvferry_rpc_requests_total", "Finished RPCs by method and status code.",
             {"method", "code"}),
-      rpc_latency_("kvferry_rpc_latency_seconds", "RPC latency by method, in seconds.",
-                   {"method"}, LatencyBounds()),
+      rpc_latency_("kvferry_rpc_latency_seconds", "RPC latency by method and status code, in seconds.",
+                   {"method", "code"}, LatencyBounds()),
       errors_("kvferry_errors_total", "Failed RPCs by method and reason (the status code).",
               {"method", "reason"}),
       bytes_received_("kvferry_bytes_received_total", "Request message bytes by method.",
@@ -113,7 +113,7 @@ DaemonMetrics::DaemonMetrics(std::function<std::vector<PoolStats>()> pools)
 
 void DaemonMetrics::RecordRpc(const std::string& method, const std::string& code, double seconds) {
   rpcs_.Add({method, code}, 1);
-  rpc_latency_.Observe({method}, seconds);
+  rpc_latency_.Observe({method, code}, seconds);
   if (code != "OK") {
     std::string reason = code;
     for (char& c : reason) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));

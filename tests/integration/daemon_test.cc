@@ -404,6 +404,10 @@ TEST(DaemonMetricsTest, PromtoolAcceptsTheExpositionAndPrometheusScrapesSavings)
             std::string::npos);
   EXPECT_NE(text.find("kvferry_kernel_seconds_count{op=\"quantize_store\",layout=\"v41\"} 1"),
             std::string::npos);
+  EXPECT_NE(text.find("kvferry_rpc_latency_seconds_count{method=\"WriteTokens\",code=\"OK\"} 1"),
+            std::string::npos);
+  EXPECT_NE(text.find("kvferry_errors_total{method=\"WriteTokens\",reason=\"invalid_argument\"} 1"),
+            std::string::npos);
 
   // promtool's linter.
   const std::string file = d.dir() + "/metrics.txt";
