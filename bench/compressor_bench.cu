@@ -14,72 +14,28 @@
 
 #include "common/compressor_inputs.h"
 #include "common/cuda_testing.h"
+#include "cuda_timing.h"
 #include "kvferry/kernels/cuda_compressor.h"
 
 namespace kvferry {
 namespace {
 
-using testing::CudaCheck;
 using testing::DeviceBuffer;
 
+// Per-launch microseconds of cuda::Compress(p) by graph replay.
 double GraphUs(int reps, int launches, const CompressorParams& p) {
-  cudaStream_t stream;
-  CudaCheck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CudaCheck(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "capture");
-  for (int i = 0; i < launches; ++i) {
+  return bench::GraphLaunchUs(reps, launches, [&](cudaStream_t stream) {
     const absl::Status s = cuda::Compress(p, stream);
     if (!s.ok()) {
       std::fprintf(stderr, "compress: %s\n", s.ToString().c_str());
       std::exit(1);
     }
-  }
-  CudaCheck(cudaStreamEndCapture(stream, &graph), "end capture");
-  CudaCheck(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  std::vector<float> times;
-  for (int i = 0; i < reps + 3; ++i) {
-    cudaEventRecord(start, stream);
-    CudaCheck(cudaGraphLaunch(exec, stream), "launch");
-    cudaEventRecord(stop, stream);
-    CudaCheck(cudaEventSynchronize(stop), "sync");
-    float ms;
-    cudaEventElapsedTime(&ms, start, stop);
-    if (i >= 3) times.push_back(ms);
-  }
-  std::sort(times.begin(), times.end());
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
-  return 1000.0 * times[times.size() / 2] / launches;
-}
-
-double CopyBandwidth(int reps) {
-  const size_t bytes = size_t{1} << 30;
-  DeviceBuffer a(bytes), b(bytes);
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  std::vector<float> times;
-  for (int i = 0; i < reps + 2; ++i) {
-    cudaEventRecord(start);
-    CudaCheck(cudaMemcpyAsync(b.as<void>(), a.as<void>(), bytes, cudaMemcpyDeviceToDevice), "copy");
-    cudaEventRecord(stop);
-    cudaEventSynchronize(stop);
-    float ms;
-    cudaEventElapsedTime(&ms, start, stop);
-    if (i >= 2) times.push_back(ms);
-  }
-  std::sort(times.begin(), times.end());
-  return 2.0 * bytes / (times[times.size() / 2] * 1e-3);
+  });
 }
 
 int Main() {
   const int reps = 20;
-  const double bandwidth = CopyBandwidth(reps);
+  const double bandwidth = bench::CopyBandwidth(reps);
   std::printf("D2D copy: %.0f GB/s (read+write)\n\n", bandwidth / 1e9);
   std::printf("| ratio | layout | input tokens | entries | µs per launch | bytes-moved floor µs | × floor |\n"
               "|---|---|---|---|---|---|---|\n");

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common/cuda_testing.h"
+#include "cuda_timing.h"
 #include "common/random_rows.h"
 #include "kvferry/kernels/cuda_ops.h"
 
@@ -30,60 +31,8 @@ void Ok(const absl::Status& s) {
   }
 }
 
-// Median milliseconds of `reps` timed runs of `body` (after two warm-ups).
-double MedianMs(int reps, const std::function<void()>& body) {
-  cudaEvent_t start, stop;
-  CudaCheck(cudaEventCreate(&start), "event");
-  CudaCheck(cudaEventCreate(&stop), "event");
-  body();
-  body();
-  std::vector<float> times;
-  for (int i = 0; i < reps; ++i) {
-    CudaCheck(cudaEventRecord(start), "record");
-    body();
-    CudaCheck(cudaEventRecord(stop), "record");
-    CudaCheck(cudaEventSynchronize(stop), "sync");
-    float ms;
-    CudaCheck(cudaEventElapsedTime(&ms, start, stop), "elapsed");
-    times.push_back(ms);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
-}
-
-// Median per-launch microseconds: a graph of `launches` captured launches, replayed.
-double GraphLaunchUs(int reps, int launches, const std::function<void(cudaStream_t)>& launch) {
-  cudaStream_t stream;
-  CudaCheck(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CudaCheck(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "capture");
-  for (int i = 0; i < launches; ++i) launch(stream);
-  CudaCheck(cudaStreamEndCapture(stream, &graph), "end capture");
-  CudaCheck(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  std::vector<float> times;
-  for (int i = 0; i < reps + 3; ++i) {
-    cudaEventRecord(start, stream);
-    CudaCheck(cudaGraphLaunch(exec, stream), "graph launch");
-    cudaEventRecord(stop, stream);
-    CudaCheck(cudaEventSynchronize(stop), "sync");
-    float ms;
-    cudaEventElapsedTime(&ms, start, stop);
-    if (i >= 3) times.push_back(ms);
-  }
-  std::sort(times.begin(), times.end());
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  return 1000.0 * times[times.size() / 2] / launches;
-}
+using bench::GraphLaunchUs;
+using bench::MedianMs;
 
 int Main(int argc, char** argv) {
   int64_t tokens = 1 << 20;
@@ -98,12 +47,7 @@ int Main(int argc, char** argv) {
               prop.l2CacheSize >> 20);
 
   // Ceiling: device-to-device copy of 1 GiB (bytes read + written per second).
-  const size_t copy_bytes = size_t{1} << 30;
-  DeviceBuffer a(copy_bytes), b(copy_bytes);
-  const double copy_ms = MedianMs(reps, [&] {
-    CudaCheck(cudaMemcpyAsync(b.as<void>(), a.as<void>(), copy_bytes, cudaMemcpyDeviceToDevice), "copy");
-  });
-  const double ceiling = 2.0 * copy_bytes / (copy_ms * 1e-3) / 1e9;
+  const double ceiling = bench::CopyBandwidth(reps) / 1e9;
   std::printf("| figure | layout | value | ceiling | fraction |\n|---|---|---|---|---|\n");
   std::printf("| D2D copy 1 GiB (read+write) | - | %.0f GB/s | - | - |\n", ceiling);
 

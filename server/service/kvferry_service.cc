@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <functional>
 
 #include "absl/strings/str_cat.h"
 #include "log.h"
@@ -74,6 +75,10 @@ absl::Status ClientGone(ServerContext* context) {
   }
   return absl::CancelledError("client cancelled; the work was dropped");
 }
+
+// Layer and count fields are uint32 on the wire; larger than any pool, clamped before the
+// core sees them as int (which then reports them out of range).
+int ClampLayer(uint32_t layer) { return static_cast<int>(std::min<uint32_t>(layer, 1u << 20)); }
 
 std::span<const uint8_t> Bytes(const std::string& s) {
   return {reinterpret_cast<const uint8_t*>(s.data()), s.size()};
@@ -154,7 +159,7 @@ grpc::Status KvFerryService::CreatePool(ServerContext*, const v1::CreatePoolRequ
   }
   PoolConfig config{req->name(), *layout, static_cast<int>(req->page_size()),
                     static_cast<int64_t>(req->num_pages()),
-                    static_cast<int>(std::min<uint32_t>(req->num_layers(), 1u << 20))};
+                    ClampLayer(req->num_layers())};
   absl::StatusOr<std::shared_ptr<Pool>> pool = pools_->Create(config, req->device());
   if (!pool.ok()) return ToGrpcStatus(pool.status());
   const PoolStats stats = (*pool)->Stats();
@@ -209,38 +214,55 @@ grpc::Status KvFerryService::FreePages(ServerContext*, const v1::FreePagesReques
   return ToGrpcStatus((*pool)->FreePages(pages));
 }
 
+namespace {
+
+// The loop shared by the client-streaming writes: the first message names the pool and
+// starts the staged write (`begin`), every message is added to it (`add`), and a stream
+// that ends cleanly commits it. Any error, or the client going away, drops the write.
+template <typename Request, typename Write>
+absl::StatusOr<int64_t> StagedWrite(
+    ServerContext* context, grpc::ServerReader<Request>* reader, PoolManager* pools,
+    const std::function<absl::StatusOr<std::unique_ptr<Write>>(const Request&, Pool&)>& begin,
+    const std::function<absl::Status(Write&, const Request&)>& add, uint64_t* received) {
+  Request msg;
+  std::shared_ptr<Pool> pool;
+  std::unique_ptr<Write> write;
+  while (reader->Read(&msg)) {
+    if (context->IsCancelled()) return ClientGone(context);
+    *received += msg.ByteSizeLong();
+    if (!write) {
+      absl::StatusOr<std::shared_ptr<Pool>> p = pools->Get(msg.pool());
+      if (!p.ok()) return p.status();
+      pool = *p;
+      absl::StatusOr<std::unique_ptr<Write>> w = begin(msg, *pool);
+      if (!w.ok()) return w.status();
+      write = std::move(*w);
+    } else if (!msg.pool().empty() && msg.pool() != pool->config().name) {
+      return absl::InvalidArgumentError(absl::StrCat("one write goes to one pool: '", msg.pool(),
+                                                     "' after '", pool->config().name, "'"));
+    }
+    if (absl::Status s = add(*write, msg); !s.ok()) return s;
+  }
+  if (context->IsCancelled()) return ClientGone(context);
+  if (!write) return absl::InvalidArgumentError("empty write: no messages");
+  return write->Commit();
+}
+
+}  // namespace
+
 grpc::Status KvFerryService::WriteTokens(ServerContext* context,
                                          grpc::ServerReader<v1::WriteTokensRequest>* reader,
                                          v1::WriteResponse* out) {
-  v1::WriteTokensRequest msg;
-  std::shared_ptr<Pool> pool;
-  std::unique_ptr<Pool::TokenWrite> write;
   uint64_t received = 0;
-  while (reader->Read(&msg)) {
-    if (context->IsCancelled()) return ToGrpcStatus(ClientGone(context));
-    received += msg.ByteSizeLong();
-    if (!write) {
-      absl::StatusOr<std::shared_ptr<Pool>> p = pools_->Get(msg.pool());
-      if (!p.ok()) return ToGrpcStatus(p.status());
-      pool = *p;
-      absl::StatusOr<std::unique_ptr<Pool::TokenWrite>> w =
-          pool->BeginTokenWrite(static_cast<int>(std::min<uint32_t>(msg.layer(), 1u << 20)),
-                                options_.max_write_tokens);
-      if (!w.ok()) return ToGrpcStatus(w.status());
-      write = std::move(*w);
-    } else if (!msg.pool().empty() && msg.pool() != pool->config().name) {
-      return ToGrpcStatus(absl::InvalidArgumentError(
-          absl::StrCat("one write goes to one pool: '", msg.pool(), "' after '",
-                       pool->config().name, "'")));
-    }
-    const std::vector<TokenLocation> locations = FromProto(msg.locations());
-    if (absl::Status s = write->Add(locations, Bytes(msg.rows())); !s.ok()) {
-      return ToGrpcStatus(s);
-    }
-  }
-  if (context->IsCancelled()) return ToGrpcStatus(ClientGone(context));
-  if (!write) return ToGrpcStatus(absl::InvalidArgumentError("empty write: no messages"));
-  absl::StatusOr<int64_t> written = write->Commit();
+  const absl::StatusOr<int64_t> written = StagedWrite<v1::WriteTokensRequest, Pool::TokenWrite>(
+      context, reader, pools_,
+      [&](const v1::WriteTokensRequest& first, Pool& pool) {
+        return pool.BeginTokenWrite(ClampLayer(first.layer()), options_.max_write_tokens);
+      },
+      [](Pool::TokenWrite& write, const v1::WriteTokensRequest& msg) {
+        return write.Add(FromProto(msg.locations()), Bytes(msg.rows()));
+      },
+      &received);
   if (!written.ok()) return ToGrpcStatus(written.status());
   out->set_tokens_written(*written);
   out->set_bytes_received(received);
@@ -250,41 +272,25 @@ grpc::Status KvFerryService::WriteTokens(ServerContext* context,
 grpc::Status KvFerryService::WritePages(ServerContext* context,
                                         grpc::ServerReader<v1::WritePagesRequest>* reader,
                                         v1::WriteResponse* out) {
-  v1::WritePagesRequest msg;
-  std::shared_ptr<Pool> pool;
-  std::unique_ptr<Pool::PageWrite> write;
   uint64_t received = 0;
-  while (reader->Read(&msg)) {
-    if (context->IsCancelled()) return ToGrpcStatus(ClientGone(context));
-    received += msg.ByteSizeLong();
-    if (!write) {
-      absl::StatusOr<std::shared_ptr<Pool>> p = pools_->Get(msg.pool());
-      if (!p.ok()) return ToGrpcStatus(p.status());
-      pool = *p;
-      absl::StatusOr<Layout> layout = FromProto(msg.layout());
-      if (!layout.ok()) return ToGrpcStatus(layout.status());
-      if (*layout != pool->config().layout) {
-        return ToGrpcStatus(absl::FailedPreconditionError(absl::StrCat(
-            "layout mismatch: pages are ", LayoutName(*layout), ", pool '", pool->config().name,
-            "' holds ", LayoutName(pool->config().layout))));
-      }
-      absl::StatusOr<std::unique_ptr<Pool::PageWrite>> w =
-          pool->BeginPageWrite(options_.max_write_bytes);
-      if (!w.ok()) return ToGrpcStatus(w.status());
-      write = std::move(*w);
-    } else if (!msg.pool().empty() && msg.pool() != pool->config().name) {
-      return ToGrpcStatus(absl::InvalidArgumentError("one write goes to one pool"));
-    }
-    if (absl::Status s = write->Add(FromProto(msg.page()),
-                                    static_cast<int>(std::min<uint32_t>(msg.layer(), 1u << 20)),
-                                    msg.offset(), Bytes(msg.data()));
-        !s.ok()) {
-      return ToGrpcStatus(s);
-    }
-  }
-  if (context->IsCancelled()) return ToGrpcStatus(ClientGone(context));
-  if (!write) return ToGrpcStatus(absl::InvalidArgumentError("empty write: no messages"));
-  absl::StatusOr<int64_t> written = write->Commit();
+  const absl::StatusOr<int64_t> written = StagedWrite<v1::WritePagesRequest, Pool::PageWrite>(
+      context, reader, pools_,
+      [&](const v1::WritePagesRequest& first,
+          Pool& pool) -> absl::StatusOr<std::unique_ptr<Pool::PageWrite>> {
+        absl::StatusOr<Layout> layout = FromProto(first.layout());
+        if (!layout.ok()) return layout.status();
+        if (*layout != pool.config().layout) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "layout mismatch: pages are ", LayoutName(*layout), ", pool '", pool.config().name,
+              "' holds ", LayoutName(pool.config().layout)));
+        }
+        return pool.BeginPageWrite(options_.max_write_bytes);
+      },
+      [](Pool::PageWrite& write, const v1::WritePagesRequest& msg) {
+        return write.Add(FromProto(msg.page()), ClampLayer(msg.layer()), msg.offset(),
+                         Bytes(msg.data()));
+      },
+      &received);
   if (!written.ok()) return ToGrpcStatus(written.status());
   out->set_pages_written(*written);
   out->set_bytes_received(received);
@@ -306,7 +312,7 @@ grpc::Status KvFerryService::ReadPages(ServerContext* context, const v1::ReadPag
   std::vector<PageHandle> pages;
   for (const auto& h : req->pages()) pages.push_back(FromProto(h));
   std::vector<int> layers;
-  for (uint32_t l : req->layers()) layers.push_back(static_cast<int>(std::min<uint32_t>(l, 1u << 20)));
+  for (uint32_t l : req->layers()) layers.push_back(ClampLayer(l));
   const uint64_t page_bytes = PageBytes(out_layout, (*pool)->config().page_size);
   uint64_t offset = 0;
   v1::PageChunk chunk;
@@ -333,7 +339,7 @@ grpc::Status KvFerryService::ReadWorkspace(ServerContext* context,
   uint64_t first_row = 0;
   v1::WorkspaceChunk chunk;
   const absl::Status s = (*pool)->ReadWorkspace(
-      static_cast<int>(std::min<uint32_t>(req->layer(), 1u << 20)), locations,
+      ClampLayer(req->layer()), locations,
       std::max<int64_t>(1, ChunkBytes(req->chunk_bytes()) / kBf16RowBytes),
       [&](std::string& rows) {
         if (context->IsCancelled()) return ClientGone(context);
