@@ -3,6 +3,7 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <functional>
@@ -142,7 +143,8 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
 
 int64_t KvFerryService::ChunkBytes(uint32_t requested) const {
   if (requested == 0) return options_.default_chunk_bytes;
-  return std::min<int64_t>(requested, options_.max_chunk_bytes);
+  // At least one bf16 row per piece, at most the daemon's limit.
+  return std::clamp<int64_t>(requested, kBf16RowBytes, options_.max_chunk_bytes);
 }
 
 grpc::Status KvFerryService::CreatePool(ServerContext*, const v1::CreatePoolRequest* req,

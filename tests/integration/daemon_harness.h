@@ -203,7 +203,7 @@ inline grpc::Status ReadWorkspace(Daemon& d, const std::string& pool, int layer,
     bytes.append(chunk.rows());
   }
   rows->resize(bytes.size() / 2);
-  std::memcpy(rows->data(), bytes.data(), bytes.size());
+  if (!bytes.empty()) std::memcpy(rows->data(), bytes.data(), bytes.size());
   return reader->Finish();
 }
 
