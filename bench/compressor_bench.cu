@@ -12,7 +12,7 @@
 #include <cstring>
 #include <vector>
 
-#include "common/compressor_inputs.h"
+#include "common/compressor_device.h"
 #include "common/cuda_testing.h"
 #include "cuda_timing.h"
 #include "kvferry/kernels/cuda_compressor.h"
@@ -51,15 +51,9 @@ int Main() {
         const int64_t rows = e - first_row;
         const auto in = testing::MakeCompressorInputs(ratio, first_row, rows, 1 << 16, 3);
         const PoolGeometry g{layout, 64, 1024};
-        DeviceBuffer kv(in.kv), score(in.score), weight(in.weight), cos(in.cos), sin(in.sin),
-            locs(in.entry_locs), pool(g.pool_bytes());
-        CompressorParams p = in.Params(g, pool.as<uint8_t>());
-        p.kv = kv.as<float>();
-        p.score = score.as<float>();
-        p.norm_weight = weight.as<uint16_t>();
-        p.rope_cos = cos.as<float>();
-        p.rope_sin = sin.as<float>();
-        p.entry_locs = locs.as<int64_t>();
+        const testing::DeviceCompressorInputs device(in);
+        DeviceBuffer pool(g.pool_bytes());
+        const CompressorParams p = device.Params(in.Params(g, pool.as<uint8_t>()));
         const double us = GraphUs(reps, 20, p);
         // Bytes the launch must move: each entry reads span rows of 512 kv and 512 score
         // fp32 values (ratio 4: half rows of 8), 32 cos and 32 sin, and writes a record.

@@ -4,8 +4,7 @@
 #include <cmath>
 #include <cstdlib>
 
-#include "common/compressor_inputs.h"
-#include "common/cuda_testing.h"
+#include "common/compressor_device.h"
 #include "gtest/gtest.h"
 #include "kvferry/kernels/cuda_compressor.h"
 #include "kvferry/kernels/ops.h"
@@ -47,15 +46,9 @@ TEST_P(CompressorGpuTest, MatchesReferenceWithinSpecTolerance) {
   p.pre_quant_rows = ref_rows.data();
   ASSERT_TRUE(reference::Compress(p).ok());
   // GPU.
-  DeviceBuffer kv(in.kv), score(in.score), weight(in.weight), cos(in.cos), sin(in.sin),
-      locs(in.entry_locs), pool(poison), rows(entries * kHeadDim * 2);
-  CompressorParams d = p;
-  d.kv = kv.as<float>();
-  d.score = score.as<float>();
-  d.norm_weight = weight.as<uint16_t>();
-  d.rope_cos = cos.as<float>();
-  d.rope_sin = sin.as<float>();
-  d.entry_locs = locs.as<int64_t>();
+  const testing::DeviceCompressorInputs device(in);
+  DeviceBuffer pool(poison), rows(entries * kHeadDim * 2);
+  CompressorParams d = device.Params(p);
   d.pool = pool.as<uint8_t>();
   d.pre_quant_rows = rows.as<uint16_t>();
   ASSERT_TRUE(cuda::Compress(d, nullptr).ok());

@@ -13,12 +13,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
                            uint16_t* __restrict__ out,  // [n, out_row_stride] bf16
                            int64_t out_row_stride) {
   const int lane = threadIdx.x & (kWarp - 1);
-  const int64_t token = int64_t{blockIdx.x} * kWarpsPerBlock + (threadIdx.x >> 5);
-  WaitForPrerequisiteGrid();
-  AllowDependentGridLaunch();
-  if (token >= num_tokens) return;
-  const int64_t loc = __ldg(locs + token);
-  if (loc < 0 || loc >= pool_tokens) return;
+  const int64_t token = WarpToken();
+  int64_t loc;
+  if (token >= num_tokens || !TokenLocation(locs, token, pool_tokens, loc)) return;
   int64_t data, scale;
   Addressing<L, kLog2Page>::Locate(loc, data, scale);
   LaneRow r;

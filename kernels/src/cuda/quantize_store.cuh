@@ -12,15 +12,13 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
                         int64_t num_tokens, int64_t pool_tokens,
                         uint8_t* __restrict__ pool) {
   const int lane = threadIdx.x & (kWarp - 1);
-  const int64_t token = int64_t{blockIdx.x} * kWarpsPerBlock + (threadIdx.x >> 5);
-  WaitForPrerequisiteGrid();
-  AllowDependentGridLaunch();
+  const int64_t token = WarpToken();
   if (token >= num_tokens) return;
   // The row load does not depend on the location: issue both before either is used.
   LaneRow r;
   LoadBf16Row(rows + token * kHeadDim, lane, r);
-  const int64_t loc = __ldg(locs + token);
-  if (loc < 0 || loc >= pool_tokens) return;  // validated by the caller; never write outside
+  int64_t loc;
+  if (!TokenLocation(locs, token, pool_tokens, loc)) return;
   int64_t data, scale;
   Addressing<L, kLog2Page>::Locate(loc, data, scale);
   StoreRecord<L>(r, lane, pool + data, pool + scale);

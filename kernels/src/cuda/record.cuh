@@ -372,6 +372,21 @@ absl::Status LaunchKernel(void (*kernel)(KernelArgs...), int64_t blocks, int thr
   return absl::InternalError(absl::StrCat("launch of ", name, " failed: ", cudaGetErrorString(error)));
 }
 
+// The token of the calling warp (one warp per token), after the PDL handshake.
+__device__ __forceinline__ int64_t WarpToken() {
+  WaitForPrerequisiteGrid();
+  AllowDependentGridLaunch();
+  return int64_t{blockIdx.x} * kWarpsPerBlock + (threadIdx.x >> 5);
+}
+
+// Reads the token's location; false when it is outside the pool. Callers validate
+// locations on the host; the kernels still never touch memory outside the pool.
+__device__ __forceinline__ bool TokenLocation(const int64_t* __restrict__ locs, int64_t token,
+                                              int64_t pool_tokens, int64_t& loc) {
+  loc = __ldg(locs + token);
+  return loc >= 0 && loc < pool_tokens;
+}
+
 inline int64_t BlocksFor(int64_t num_tokens) {
   return (num_tokens + kWarpsPerBlock - 1) / kWarpsPerBlock;
 }
