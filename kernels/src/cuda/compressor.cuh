@@ -3,6 +3,10 @@
 // reference uses, so both produce the same pre-quantization rows.
 #pragma once
 
+#include <cooperative_groups.h>
+
+#include "absl/status/statusor.h"
+
 #include "kvferry/kernels/compressor_math.h"
 #include "kvferry/kernels/cuda_compressor.h"
 #include "record.cuh"
@@ -12,7 +16,8 @@ namespace kvferry::cuda::detail {
 using compressor_math::OnlineSoftmax;
 inline constexpr int kCompressValues = compressor_math::kValuesPerThread;  // 4
 inline constexpr int kRowThreads = compressor_math::kRowThreads;          // 128
-inline constexpr int kC128Blocks = compressor_math::kC128RowBlocks;       // 4
+inline constexpr int kC128Ctas = compressor_math::kC128Ctas;              // 4 per cluster
+inline constexpr int kC128Blocks = compressor_math::kC128BlocksPerCta;    // 4 per CTA
 inline constexpr int kC128Threads = kRowThreads * kC128Blocks;            // 512
 
 // Loads rows [first, first + kBatch) (those below `count`) of the window for row thread g.
@@ -208,44 +213,98 @@ __global__ void __launch_bounds__(kRowThreads, 8)
   FinishEntry<L, kFakeQuant>(pooled, p, end_pos, entry, g, warp_sums);
 }
 
-// Ratio 128: one CTA of 512 threads per entry. Warp w pools row block w / 4 (32 rows) for
-// channel quarter w % 4; the blocks' states meet in shared memory, and the first 128
-// threads merge them in order and finish the entry.
-template <Layout L>
+// Ratio 128. The window's 16 row blocks of 8 rows are folded in two levels: the 4 blocks
+// of each group in order, then the 4 groups in order (compressor_math.h). Two shapes
+// compute exactly that:
+// - kCluster: a cluster of 4 CTAs of 512 threads per entry, one CTA per SM, for few
+//   entries. CTA r is group r; its warp group w (4 warps, 128 threads) pools block w for
+//   all 512 channels; CTA 0 merges the other CTAs' states, read from their shared memory.
+// - otherwise one CTA of 512 threads per entry: warp group r is group r and pools its 4
+//   blocks one after the other; warp group 0 merges the others' states.
+template <Layout L, bool kCluster>
 __global__ void __launch_bounds__(kC128Threads)
     Compress128Kernel(const CompressorParams p, int64_t first_end) {
   __shared__ float4 block_state[kC128Blocks - 1][3][kRowThreads];  // m, sum, acc
+  __shared__ float4 cta_state[3][kRowThreads];
   __shared__ float warp_sums[4];
+  namespace cg = cooperative_groups;
   WaitForPrerequisiteGrid();
   AllowDependentGridLaunch();
   const int g = threadIdx.x % kRowThreads;
-  const int block = threadIdx.x / kRowThreads;
-  const int64_t entry = blockIdx.x;
+  const int warp_group = threadIdx.x / kRowThreads;
+  const int64_t entry = kCluster ? blockIdx.x / kC128Ctas : blockIdx.x;
   const int64_t end_pos = first_end + entry * 128;
-  constexpr int kRows = 128 / kC128Blocks;
+  constexpr int kRows = compressor_math::kC128RowsPerBlock;
   OnlineSoftmax state[kCompressValues];
-  PoolRows<128, 4>(p.kv, p.score, p.first_position, end_pos, end_pos - 127 + block * kRows,
-                   kRows, g, state);
-  if (block > 0) {
-    block_state[block - 1][0][g] = make_float4(state[0].m, state[1].m, state[2].m, state[3].m);
-    block_state[block - 1][1][g] =
-        make_float4(state[0].sum, state[1].sum, state[2].sum, state[3].sum);
-    block_state[block - 1][2][g] =
-        make_float4(state[0].acc, state[1].acc, state[2].acc, state[3].acc);
-  }
-  __syncthreads();
-  if (block > 0) return;
-  for (int b = 0; b < kC128Blocks - 1; ++b) {
-    const float4 m = block_state[b][0][g], sum = block_state[b][1][g], acc = block_state[b][2][g];
-    state[0].Merge(OnlineSoftmax{m.x, sum.x, acc.x});
-    state[1].Merge(OnlineSoftmax{m.y, sum.y, acc.y});
-    state[2].Merge(OnlineSoftmax{m.z, sum.z, acc.z});
-    state[3].Merge(OnlineSoftmax{m.w, sum.w, acc.w});
+  auto store = [&](float4 (&to)[3][kRowThreads]) {
+    to[0][g] = make_float4(state[0].m, state[1].m, state[2].m, state[3].m);
+    to[1][g] = make_float4(state[0].sum, state[1].sum, state[2].sum, state[3].sum);
+    to[2][g] = make_float4(state[0].acc, state[1].acc, state[2].acc, state[3].acc);
+  };
+  auto merge = [&](const float4* m, const float4* sum, const float4* acc) {
+    state[0].Merge(OnlineSoftmax{m->x, sum->x, acc->x});
+    state[1].Merge(OnlineSoftmax{m->y, sum->y, acc->y});
+    state[2].Merge(OnlineSoftmax{m->z, sum->z, acc->z});
+    state[3].Merge(OnlineSoftmax{m->w, sum->w, acc->w});
+  };
+  if constexpr (kCluster) {
+    cg::cluster_group cluster = cg::this_cluster();
+    const int rank = static_cast<int>(cluster.block_rank());
+    PoolRows<128, 4>(p.kv, p.score, p.first_position, end_pos,
+                     end_pos - 127 + (rank * kC128Blocks + warp_group) * kRows, kRows, g, state);
+    if (warp_group > 0) store(block_state[warp_group - 1]);
+    __syncthreads();
+    if (warp_group == 0) {
+      for (int b = 0; b < kC128Blocks - 1; ++b) {
+        merge(&block_state[b][0][g], &block_state[b][1][g], &block_state[b][2][g]);
+      }
+      if (rank > 0) store(cta_state);
+    }
+    cluster.sync();  // every CTA's state is in its shared memory
+    if (rank == 0 && warp_group == 0) {
+      for (int r = 1; r < kC128Ctas; ++r) {
+        float4* remote = cluster.map_shared_rank(&cta_state[0][0], r);
+        merge(remote + g, remote + kRowThreads + g, remote + 2 * kRowThreads + g);
+      }
+    }
+    cluster.sync();  // CTA 0 has read the others' shared memory; they may exit
+    if (rank != 0 || warp_group != 0) return;
+  } else {
+    for (int b = 0; b < kC128Blocks; ++b) {
+      OnlineSoftmax block[kCompressValues];
+      PoolRows<128, 4>(p.kv, p.score, p.first_position, end_pos,
+                       end_pos - 127 + (warp_group * kC128Blocks + b) * kRows, kRows, g, block);
+#pragma unroll
+      for (int i = 0; i < kCompressValues; ++i) {
+        if (b == 0) {
+          state[i] = block[i];
+        } else {
+          state[i].Merge(block[i]);
+        }
+      }
+    }
+    if (warp_group > 0) store(block_state[warp_group - 1]);
+    __syncthreads();
+    if (warp_group > 0) return;
+    for (int r = 0; r < kC128Ctas - 1; ++r) {
+      merge(&block_state[r][0][g], &block_state[r][1][g], &block_state[r][2][g]);
+    }
   }
   float pooled[kCompressValues];
 #pragma unroll
   for (int i = 0; i < kCompressValues; ++i) pooled[i] = state[i].Result();
   FinishEntry<L, false>(pooled, p, end_pos, entry, g, warp_sums);
+}
+
+// Entries up to which ratio 128 runs on clusters (4 SMs per entry): about one wave.
+inline absl::StatusOr<int64_t> ClusterEntryLimit() {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    cudaGetLastError();
+    return absl::InternalError("cannot read the multiprocessor count");
+  }
+  return sms / kC128Ctas;
 }
 
 // Per-layout launcher (one explicit instantiation per .cu file).
@@ -275,8 +334,17 @@ absl::Status LaunchCompress(const CompressorParams& p, const CompressorWindows& 
       return LaunchKernel(CompressKernel<L, 4, false>, w.count, kRowThreads, stream,
                           "CompressKernel<4>", p, w.first_end);
     case 128:
-      return LaunchKernel(Compress128Kernel<L>, w.count, kC128Threads, stream,
+    {
+      absl::StatusOr<int64_t> limit = ClusterEntryLimit();
+      if (!limit.ok()) return limit.status();
+      if (w.count <= *limit) {
+        return LaunchClusterKernel(Compress128Kernel<L, true>, w.count * kC128Ctas, kC128Threads,
+                                   kC128Ctas, stream, "Compress128Kernel<cluster>", p,
+                                   w.first_end);
+      }
+      return LaunchKernel(Compress128Kernel<L, false>, w.count, kC128Threads, stream,
                           "Compress128Kernel", p, w.first_end);
+    }
   }
   return absl::InvalidArgumentError("unsupported ratio");
 }

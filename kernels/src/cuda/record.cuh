@@ -353,23 +353,35 @@ __device__ __forceinline__ void AllowDependentGridLaunch() {
 #endif
 }
 
-// Launches `kernel` with programmatic stream serialization allowed; checks the launch.
+// Launches `kernel` with programmatic stream serialization allowed, in clusters of
+// `cluster` CTAs when that is above 1; checks the launch.
 template <typename... KernelArgs, typename... Args>
-absl::Status LaunchKernel(void (*kernel)(KernelArgs...), int64_t blocks, int threads,
-                          cudaStream_t stream, const char* name, Args... args) {
+absl::Status LaunchClusterKernel(void (*kernel)(KernelArgs...), int64_t blocks, int threads,
+                                 int cluster, cudaStream_t stream, const char* name,
+                                 Args... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(blocks));
   config.blockDim = dim3(static_cast<unsigned>(threads));
   config.stream = stream;
-  cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
+  cudaLaunchAttribute attributes[2];
+  attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[0].val.programmaticStreamSerializationAllowed = 1;
+  attributes[1].id = cudaLaunchAttributeClusterDimension;
+  attributes[1].val.clusterDim.x = static_cast<unsigned>(cluster);
+  attributes[1].val.clusterDim.y = 1;
+  attributes[1].val.clusterDim.z = 1;
+  config.attrs = attributes;
+  config.numAttrs = cluster > 1 ? 2 : 1;
   const cudaError_t error = cudaLaunchKernelEx(&config, kernel, static_cast<KernelArgs>(args)...);
   if (error == cudaSuccess) return absl::OkStatus();
   cudaGetLastError();
   return absl::InternalError(absl::StrCat("launch of ", name, " failed: ", cudaGetErrorString(error)));
+}
+
+template <typename... KernelArgs, typename... Args>
+absl::Status LaunchKernel(void (*kernel)(KernelArgs...), int64_t blocks, int threads,
+                          cudaStream_t stream, const char* name, Args... args) {
+  return LaunchClusterKernel(kernel, blocks, threads, 1, stream, name, args...);
 }
 
 // The token of the calling warp (one warp per token), after the PDL handshake.

@@ -72,8 +72,10 @@ namespace reference {
 namespace {
 
 // Steps 1-2: the pooled fp32 row of the window ending at `end`, channel by channel, rows
-// in order (ratio 128: in kC128RowBlocks blocks merged in order), as the kernels do.
+// in order; ratio 128 in blocks of rows folded in two levels (blocks within a CTA, then
+// CTAs), as the kernels do.
 void PoolWindow(const CompressorParams& p, int64_t end, float* pooled) {
+  using compressor_math::OnlineSoftmax;
   const int64_t width = int64_t{CompressorCoff(p.ratio)} * kHeadDim;
   if (p.ratio == 1) {
     const float* kv = p.kv + (end - p.first_position) * width;
@@ -81,24 +83,30 @@ void PoolWindow(const CompressorParams& p, int64_t end, float* pooled) {
     return;
   }
   const int64_t first = std::max<int64_t>(0, end - CompressorSpan(p.ratio) + 1);
-  const int blocks = p.ratio == 128 ? compressor_math::kC128RowBlocks : 1;
-  const int64_t rows_per_block = (end - first + 1) / blocks;
+  const bool split = p.ratio == 128;
+  const int groups = split ? compressor_math::kC128Ctas : 1;
+  const int blocks = split ? compressor_math::kC128BlocksPerCta : 1;
+  const int64_t rows = split ? compressor_math::kC128RowsPerBlock : end - first + 1;
+  // Folds `count` states made by `make(i)` in order.
+  auto fold = [](int count, const auto& make) {
+    OnlineSoftmax total = make(0);
+    for (int i = 1; i < count; ++i) total.Merge(make(i));
+    return total;
+  };
   for (int c = 0; c < kHeadDim; ++c) {
-    compressor_math::OnlineSoftmax total;
-    for (int b = 0; b < blocks; ++b) {
-      compressor_math::OnlineSoftmax block;
-      for (int64_t pos = first + b * rows_per_block; pos < first + (b + 1) * rows_per_block; ++pos) {
-        // ratio 4: the previous window's rows read the first half, the current the second.
-        const int64_t half = (p.ratio == 4 && pos > end - 4) ? kHeadDim : 0;
-        const int64_t at = (pos - p.first_position) * width + half + c;
-        block.AddRow(p.score[at], p.kv[at]);
-      }
-      if (b == 0) {
-        total = block;
-      } else {
-        total.Merge(block);
-      }
-    }
+    const OnlineSoftmax total = fold(groups, [&](int group) {
+      return fold(blocks, [&](int block) {
+        OnlineSoftmax state;
+        const int64_t begin = first + (int64_t{group} * blocks + block) * rows;
+        for (int64_t pos = begin; pos < begin + rows; ++pos) {
+          // ratio 4: the previous window's rows read the first half, the current the second.
+          const int64_t half = (p.ratio == 4 && pos > end - 4) ? kHeadDim : 0;
+          const int64_t at = (pos - p.first_position) * width + half + c;
+          state.AddRow(p.score[at], p.kv[at]);
+        }
+        return state;
+      });
+    });
     pooled[c] = total.Result();
   }
 }

@@ -106,9 +106,12 @@ struct OnlineSoftmax {
   KVF_HD float Result() const { return Div(acc, sum); }
 };
 
-// Ratio 128 pools its window in this many blocks of consecutive rows, each online, then
-// merged in order (the kernel gives each block its own warps).
-inline constexpr int kC128RowBlocks = 4;
+// Ratio 128 pools its window on a cluster of kC128Ctas CTAs (one per SM). Each CTA pools
+// kC128BlocksPerCta blocks of consecutive rows (8 rows each, one block per group of 4
+// warps), online, and merges them in order; then the CTAs' states are merged in order.
+inline constexpr int kC128Ctas = 4;
+inline constexpr int kC128BlocksPerCta = 4;
+inline constexpr int kC128RowsPerBlock = 128 / (kC128Ctas * kC128BlocksPerCta);
 
 // The kernels' thread layout for one 512-value row: 128 threads of 4 consecutive values,
 // 32 threads a warp.
