@@ -370,10 +370,12 @@ absl::Status Pool::ReadPages(std::span<const PageHandle> pages, std::span<const 
   if (!ids.ok()) return ids.status();
   page_ids = std::move(*ids);
 
-  std::vector<uint8_t> host(batch * per_page);  // [layer][page][out_page]
+  // [layer][page][out_page] staging, needed only to reorder several layers.
+  std::vector<uint8_t> host(layers.size() > 1 ? batch * per_page : 0);
   std::string out;
   for (size_t first = 0; first < pages.size(); first += batch) {
     const int64_t n = std::min<int64_t>(batch, static_cast<int64_t>(pages.size() - first));
+    out.resize(n * per_page);  // (the sink may have taken the previous batch's buffer)
     std::vector<int64_t> batch_ids(n);
     {
       absl::ReaderMutexLock lock(&mu_);
@@ -413,16 +415,24 @@ absl::Status Pool::ReadPages(std::span<const PageHandle> pages, std::span<const 
           }
           result = converted.get();
         }
-        KVF_RETURN_IF_ERROR(backend_->CopyToHost(host.data() + li * n * out_page, result, n * out_page));
+        // One layer is already in the caller's order: copy it straight into the output.
+        uint8_t* to = layers.size() == 1 ? reinterpret_cast<uint8_t*>(out.data())
+                                         : host.data() + li * n * out_page;
+        KVF_RETURN_IF_ERROR(backend_->CopyToHost(to, result, n * out_page));
       }
     }
     // Page-major order for the caller: for each page, each layer.
-    out.resize(n * per_page);
-    for (int64_t i = 0; i < n; ++i) {
-      for (size_t li = 0; li < layers.size(); ++li) {
-        std::memcpy(out.data() + (i * layers.size() + li) * out_page,
-                    host.data() + (li * n + i) * out_page, out_page);
+    if (layers.size() > 1) {
+      for (int64_t i = 0; i < n; ++i) {
+        for (size_t li = 0; li < layers.size(); ++li) {
+          std::memcpy(out.data() + (i * layers.size() + li) * out_page,
+                      host.data() + (li * n + i) * out_page, out_page);
+        }
       }
+    }
+    if (static_cast<int64_t>(out.size()) <= chunk_bytes) {
+      KVF_RETURN_IF_ERROR(sink(out));  // the usual case: one batch is one piece, no copy
+      continue;
     }
     for (int64_t at = 0; at < static_cast<int64_t>(out.size()); at += chunk_bytes) {
       std::string piece = out.substr(at, chunk_bytes);
