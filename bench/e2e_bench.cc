@@ -3,9 +3,10 @@
 // a plain gRPC stream of the same messages that does nothing with them (a null service in
 // the same process, measured in the same run).
 //
-// Usage: e2e_bench [--device cpu|cuda:0] [--tokens-per-stream N] [--seconds S]
+// Usage: e2e_bench [--device cpu|cuda:0] [--tokens-per-stream N] [--reps R] [--rounds K]
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -92,7 +93,9 @@ int Main(int argc, char** argv) {
   std::string device = "cpu";
   int64_t tokens = 16384;  // per stream per call
   int reps = 3;
+  int rounds = 5;
   for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--rounds")) rounds = std::max(1, std::atoi(argv[i + 1]));
     if (!std::strcmp(argv[i], "--device")) device = argv[i + 1];
     if (!std::strcmp(argv[i], "--tokens-per-stream")) tokens = std::atoll(argv[i + 1]);
     if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
@@ -166,44 +169,54 @@ int Main(int argc, char** argv) {
     }
   }
 
-  std::printf("device %s, V41 pool, page size %d, %lld tokens per stream per call, %d calls\n\n",
-              device.c_str(), kPageSize, (long long)tokens, reps);
+  std::printf("device %s, V41 pool, page size %d, %lld tokens per stream per call, %d calls "
+              "per round, median of %d alternating rounds\n\n",
+              device.c_str(), kPageSize, (long long)tokens, reps, rounds);
   std::printf("| op | streams | kvferryd tokens/s | kvferryd GB/s | null-stream GB/s (ceiling) | fraction |\n"
               "|---|---|---|---|---|---|\n");
   for (int streams : {1, 4, 16}) {
     for (const char* op : {"WriteTokens", "ReadWorkspace", "ReadPages"}) {
+      // kvferryd and the null service alternate for `rounds` rounds; each side's median
+      // round is reported, so drift of the machine affects both alike.
+      std::vector<double> times[2];
+      for (int round = 0; round < rounds; ++round) {
+        for (int target = 0; target < 2; ++target) {
+          const int port = target == 0 ? (*daemon)->grpc_port() : null_port;
+          std::vector<std::unique_ptr<v1::KvFerry::Stub>> stubs;
+          for (int s = 0; s < streams; ++s) stubs.push_back(Connect(port));
+          std::atomic<int> errors{0};
+          times[target].push_back(RunParallel(streams, reps, [&](int s) {
+            grpc::ClientContext ctx;
+            if (!std::strcmp(op, "WriteTokens")) {
+              v1::WriteResponse resp;
+              auto writer = stubs[s]->WriteTokens(&ctx, &resp);
+              for (const auto& m : work[s].messages) writer->Write(m);
+              writer->WritesDone();
+              if (!writer->Finish().ok()) ++errors;
+            } else if (!std::strcmp(op, "ReadWorkspace")) {
+              auto reader = stubs[s]->ReadWorkspace(&ctx, work[s].workspace);
+              v1::WorkspaceChunk chunk;
+              while (reader->Read(&chunk)) {
+              }
+              if (!reader->Finish().ok()) ++errors;
+            } else {
+              auto reader = stubs[s]->ReadPages(&ctx, work[s].pages);
+              v1::PageChunk chunk;
+              while (reader->Read(&chunk)) {
+              }
+              if (!reader->Finish().ok()) ++errors;
+            }
+          }));
+          if (errors > 0) {
+            std::fprintf(stderr, "e2e_bench: %d failed calls of %s\n", errors.load(), op);
+            return 1;
+          }
+        }
+      }
       double seconds[2];
       for (int target = 0; target < 2; ++target) {
-        const int port = target == 0 ? (*daemon)->grpc_port() : null_port;
-        std::vector<std::unique_ptr<v1::KvFerry::Stub>> stubs;
-        for (int s = 0; s < streams; ++s) stubs.push_back(Connect(port));
-        std::atomic<int> errors{0};
-        seconds[target] = RunParallel(streams, reps, [&](int s) {
-          grpc::ClientContext ctx;
-          if (!std::strcmp(op, "WriteTokens")) {
-            v1::WriteResponse resp;
-            auto writer = stubs[s]->WriteTokens(&ctx, &resp);
-            for (const auto& m : work[s].messages) writer->Write(m);
-            writer->WritesDone();
-            if (!writer->Finish().ok()) ++errors;
-          } else if (!std::strcmp(op, "ReadWorkspace")) {
-            auto reader = stubs[s]->ReadWorkspace(&ctx, work[s].workspace);
-            v1::WorkspaceChunk chunk;
-            while (reader->Read(&chunk)) {
-            }
-            if (!reader->Finish().ok()) ++errors;
-          } else {
-            auto reader = stubs[s]->ReadPages(&ctx, work[s].pages);
-            v1::PageChunk chunk;
-            while (reader->Read(&chunk)) {
-            }
-            if (!reader->Finish().ok()) ++errors;
-          }
-        });
-        if (errors > 0) {
-          std::fprintf(stderr, "e2e_bench: %d failed calls of %s\n", errors.load(), op);
-          return 1;
-        }
+        std::sort(times[target].begin(), times[target].end());
+        seconds[target] = times[target][times[target].size() / 2];
       }
       // Bytes on the wire per token: bf16 rows for writes and workspace reads, the stored
       // record (page bytes / page size) for page reads.
