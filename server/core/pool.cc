@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <deque>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "kvferry/kernels/validate.h"
@@ -331,6 +333,77 @@ absl::StatusOr<int64_t> Pool::PageWrite::Commit() {
 
 // ---- reads -------------------------------------------------------------------------------
 
+namespace {
+
+// Runs produce(i, buffer) for i in [0, batches) on a helper thread, up to two batches ahead
+// of send(buffer) on the calling thread, so the device work and the copy of the next batch
+// overlap the sending of this one. The first error of either side ends both and is returned.
+absl::Status SendPipelined(int64_t batches,
+                           const std::function<absl::Status(int64_t, std::string&)>& produce,
+                           const std::function<absl::Status(std::string&)>& send) {
+  if (batches <= 1) {
+    std::string buffer;
+    for (int64_t i = 0; i < batches; ++i) {
+      if (absl::Status s = produce(i, buffer); !s.ok()) return s;
+      if (absl::Status s = send(buffer); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
+  struct State {
+    absl::Mutex mu;
+    std::deque<std::string> ready ABSL_GUARDED_BY(mu);  // produced, not yet sent
+    absl::Status produced ABSL_GUARDED_BY(mu);
+    bool producer_done ABSL_GUARDED_BY(mu) = false;
+    bool stop ABSL_GUARDED_BY(mu) = false;  // the sender failed
+  } st;
+  std::thread producer([&] {
+    for (int64_t i = 0; i < batches; ++i) {
+      {
+        absl::MutexLock lock(&st.mu);
+        st.mu.Await(absl::Condition(
+            +[](State* x) ABSL_NO_THREAD_SAFETY_ANALYSIS { return x->ready.size() < 2 || x->stop; },
+            &st));
+        if (st.stop) break;
+      }
+      std::string buffer;
+      absl::Status s = produce(i, buffer);
+      absl::MutexLock lock(&st.mu);
+      if (!s.ok()) {
+        st.produced = s;
+        break;
+      }
+      st.ready.push_back(std::move(buffer));
+    }
+    absl::MutexLock lock(&st.mu);
+    st.producer_done = true;
+  });
+  absl::Status sent;
+  while (true) {
+    std::string buffer;
+    {
+      absl::MutexLock lock(&st.mu);
+      st.mu.Await(absl::Condition(
+          +[](State* x) ABSL_NO_THREAD_SAFETY_ANALYSIS { return !x->ready.empty() || x->producer_done; },
+          &st));
+      if (st.ready.empty()) break;  // the producer finished (or failed) and all is sent
+      buffer = std::move(st.ready.front());
+      st.ready.pop_front();
+    }
+    sent = send(buffer);
+    if (!sent.ok()) {
+      absl::MutexLock lock(&st.mu);
+      st.stop = true;
+      break;
+    }
+  }
+  producer.join();
+  if (!sent.ok()) return sent;
+  absl::MutexLock lock(&st.mu);
+  return st.produced;
+}
+
+}  // namespace
+
 absl::Status Pool::ReadPages(std::span<const PageHandle> pages, std::span<const int> layers_in,
                              std::optional<Layout> transcode_to, int64_t chunk_bytes,
                              const Sink& sink) {
@@ -372,54 +445,53 @@ absl::Status Pool::ReadPages(std::span<const PageHandle> pages, std::span<const 
 
   // [layer][page][out_page] staging, needed only to reorder several layers.
   std::vector<uint8_t> host(layers.size() > 1 ? batch * per_page : 0);
-  std::string out;
-  for (size_t first = 0; first < pages.size(); first += batch) {
-    const int64_t n = std::min<int64_t>(batch, static_cast<int64_t>(pages.size() - first));
-    out.resize(n * per_page);  // (the sink may have taken the previous batch's buffer)
+  const int64_t num_pages = static_cast<int64_t>(pages.size());
+  auto produce = [&](int64_t index, std::string& out) -> absl::Status {
+    const int64_t first = index * batch;
+    const int64_t n = std::min<int64_t>(batch, num_pages - first);
+    out.resize(n * per_page);
     std::vector<int64_t> batch_ids(n);
-    {
-      absl::ReaderMutexLock lock(&mu_);
-      for (int64_t i = 0; i < n; ++i) {
-        KVF_RETURN_IF_ERROR(CheckHandle(pages[first + i]));
-        batch_ids[i] = static_cast<int64_t>(pages[first + i].page_id);
-      }
-      KVF_RETURN_IF_ERROR(backend_->CopyToDevice(page_ids.get(), batch_ids.data(), n * sizeof(int64_t)));
-      for (size_t li = 0; li < layers.size(); ++li) {
-        const int layer = layers[li];
-        KVF_RETURN_IF_ERROR(Timed("gather_pages", config_.layout, [&] {
-          return backend_->GatherPages(PageCopyGeometry{in_page, config_.num_pages, 1},
-                                       layer_base(layer), page_ids.get<int64_t>(), n,
-                                       gathered->get());
-        }));
-        const uint8_t* result = gathered->get();
-        if (transcode) {
-          std::vector<int64_t> written;
-          for (int64_t i = 0; i < n; ++i) {
-            for (int64_t s = 0; s < config_.page_size; ++s) {
-              if (IsWritten(layer, batch_ids[i] * config_.page_size + s)) {
-                written.push_back(i * config_.page_size + s);
-              }
+    absl::ReaderMutexLock lock(&mu_);
+    for (int64_t i = 0; i < n; ++i) {
+      KVF_RETURN_IF_ERROR(CheckHandle(pages[first + i]));
+      batch_ids[i] = static_cast<int64_t>(pages[first + i].page_id);
+    }
+    KVF_RETURN_IF_ERROR(backend_->CopyToDevice(page_ids.get(), batch_ids.data(), n * sizeof(int64_t)));
+    for (size_t li = 0; li < layers.size(); ++li) {
+      const int layer = layers[li];
+      KVF_RETURN_IF_ERROR(Timed("gather_pages", config_.layout, [&] {
+        return backend_->GatherPages(PageCopyGeometry{in_page, config_.num_pages, 1},
+                                     layer_base(layer), page_ids.get<int64_t>(), n,
+                                     gathered->get());
+      }));
+      const uint8_t* result = gathered->get();
+      if (transcode) {
+        std::vector<int64_t> written;
+        for (int64_t i = 0; i < n; ++i) {
+          for (int64_t s = 0; s < config_.page_size; ++s) {
+            if (IsWritten(layer, batch_ids[i] * config_.page_size + s)) {
+              written.push_back(i * config_.page_size + s);
             }
           }
-          KVF_RETURN_IF_ERROR(backend_->Zero(converted.get(), n * out_page));
-          if (!written.empty()) {
-            KVF_RETURN_IF_ERROR(backend_->CopyToDevice(locs.get(), written.data(),
-                                                       written.size() * sizeof(int64_t)));
-            KVF_RETURN_IF_ERROR(Timed("transcode", config_.layout, [&] {
-              return backend_->Transcode(PoolGeometry{config_.layout, config_.page_size, n},
-                                         gathered->get(),
-                                         PoolGeometry{out_layout, config_.page_size, n},
-                                         converted.get(), locs.get<int64_t>(),
-                                         static_cast<int64_t>(written.size()));
-            }));
-          }
-          result = converted.get();
         }
-        // One layer is already in the caller's order: copy it straight into the output.
-        uint8_t* to = layers.size() == 1 ? reinterpret_cast<uint8_t*>(out.data())
-                                         : host.data() + li * n * out_page;
-        KVF_RETURN_IF_ERROR(backend_->CopyToHost(to, result, n * out_page));
+        KVF_RETURN_IF_ERROR(backend_->Zero(converted.get(), n * out_page));
+        if (!written.empty()) {
+          KVF_RETURN_IF_ERROR(backend_->CopyToDevice(locs.get(), written.data(),
+                                                     written.size() * sizeof(int64_t)));
+          KVF_RETURN_IF_ERROR(Timed("transcode", config_.layout, [&] {
+            return backend_->Transcode(PoolGeometry{config_.layout, config_.page_size, n},
+                                       gathered->get(),
+                                       PoolGeometry{out_layout, config_.page_size, n},
+                                       converted.get(), locs.get<int64_t>(),
+                                       static_cast<int64_t>(written.size()));
+          }));
+        }
+        result = converted.get();
       }
+      // One layer is already in the caller's order: copy it straight into the output.
+      uint8_t* to = layers.size() == 1 ? reinterpret_cast<uint8_t*>(out.data())
+                                       : host.data() + li * n * out_page;
+      KVF_RETURN_IF_ERROR(backend_->CopyToHost(to, result, n * out_page));
     }
     // Page-major order for the caller: for each page, each layer.
     if (layers.size() > 1) {
@@ -430,16 +502,17 @@ absl::Status Pool::ReadPages(std::span<const PageHandle> pages, std::span<const 
         }
       }
     }
-    if (static_cast<int64_t>(out.size()) <= chunk_bytes) {
-      KVF_RETURN_IF_ERROR(sink(out));  // the usual case: one batch is one piece, no copy
-      continue;
-    }
+    return absl::OkStatus();
+  };
+  auto send = [&](std::string& out) -> absl::Status {
+    if (static_cast<int64_t>(out.size()) <= chunk_bytes) return sink(out);  // one piece, no copy
     for (int64_t at = 0; at < static_cast<int64_t>(out.size()); at += chunk_bytes) {
       std::string piece = out.substr(at, chunk_bytes);
       KVF_RETURN_IF_ERROR(sink(piece));
     }
-  }
-  return absl::OkStatus();
+    return absl::OkStatus();
+  };
+  return SendPipelined((num_pages + batch - 1) / batch, produce, send);
 }
 
 absl::Status Pool::ReadWorkspace(int layer, std::span<const TokenLocation> locations,
@@ -456,25 +529,22 @@ absl::Status Pool::ReadWorkspace(int layer, std::span<const TokenLocation> locat
   if (!d_locs.ok()) return d_locs.status();
   absl::StatusOr<DeviceMemory> d_out = backend_->Allocate(batch * kBf16RowBytes, /*zero=*/false);
   if (!d_out.ok()) return d_out.status();
-  std::string rows;
   const PoolGeometry g = geometry();
-  for (int64_t first = 0; first < total; first += batch) {
+  auto produce = [&](int64_t index, std::string& rows) -> absl::Status {
+    const int64_t first = index * batch;
     const int64_t n = std::min(batch, total - first);
     rows.resize(n * kBf16RowBytes);
-    {
-      absl::ReaderMutexLock lock(&mu_);
-      absl::StatusOr<std::vector<int64_t>> tokens = Resolve(locations.subspan(first, n));
-      if (!tokens.ok()) return tokens.status();
-      KVF_RETURN_IF_ERROR(backend_->CopyToDevice(d_locs->get(), tokens->data(), n * sizeof(int64_t)));
-      KVF_RETURN_IF_ERROR(Timed("dequantize_gather", g.layout, [&] {
-        return backend_->DequantizeGather(g, layer_base(layer), d_locs->get<int64_t>(), n,
-                                          d_out->get<uint16_t>());
-      }));
-      KVF_RETURN_IF_ERROR(backend_->CopyToHost(rows.data(), d_out->get(), rows.size()));
-    }
-    KVF_RETURN_IF_ERROR(sink(rows));
-  }
-  return absl::OkStatus();
+    absl::ReaderMutexLock lock(&mu_);
+    absl::StatusOr<std::vector<int64_t>> tokens = Resolve(locations.subspan(first, n));
+    if (!tokens.ok()) return tokens.status();
+    KVF_RETURN_IF_ERROR(backend_->CopyToDevice(d_locs->get(), tokens->data(), n * sizeof(int64_t)));
+    KVF_RETURN_IF_ERROR(Timed("dequantize_gather", g.layout, [&] {
+      return backend_->DequantizeGather(g, layer_base(layer), d_locs->get<int64_t>(), n,
+                                        d_out->get<uint16_t>());
+    }));
+    return backend_->CopyToHost(rows.data(), d_out->get(), rows.size());
+  };
+  return SendPipelined((total + batch - 1) / batch, produce, sink);
 }
 
 }  // namespace kvferry::server
