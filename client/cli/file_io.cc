@@ -6,6 +6,7 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
 
@@ -24,6 +25,7 @@ absl::StatusOr<std::vector<uint8_t>> ReadFileBytes(const std::string& path) {
 
 template <typename T>
 absl::StatusOr<std::vector<T>> ReadFileArray(const std::string& path) {
+  if constexpr (std::is_same_v<T, uint8_t>) return ReadFileBytes(path);
   absl::StatusOr<std::vector<uint8_t>> bytes = ReadFileBytes(path);
   if (!bytes.ok()) return bytes.status();
   if (bytes->size() % sizeof(T) != 0) {
@@ -35,6 +37,7 @@ absl::StatusOr<std::vector<T>> ReadFileArray(const std::string& path) {
   return values;
 }
 
+template absl::StatusOr<std::vector<uint8_t>> ReadFileArray<uint8_t>(const std::string&);
 template absl::StatusOr<std::vector<uint16_t>> ReadFileArray<uint16_t>(const std::string&);
 template absl::StatusOr<std::vector<int64_t>> ReadFileArray<int64_t>(const std::string&);
 

@@ -80,17 +80,6 @@ Outcome Load(const Args& args, const char* name, std::vector<T>* values, std::st
   return std::nullopt;
 }
 
-Outcome LoadBytes(const Args& args, const char* name, std::vector<uint8_t>* bytes,
-                  std::string* path) {
-  absl::StatusOr<std::string> p = args.Get(name);
-  if (!p.ok()) return Usage(p.status());
-  *path = *p;
-  absl::StatusOr<std::vector<uint8_t>> data = ReadFileBytes(*p);
-  if (!data.ok()) return Invalid(data.status());
-  *bytes = std::move(*data);
-  return std::nullopt;
-}
-
 Outcome Save(const Args& args, const char* name, std::span<const uint8_t> bytes) {
   absl::StatusOr<std::string> path = args.Get(name);
   if (!path.ok()) return Usage(path.status());
@@ -138,7 +127,7 @@ Outcome Dequantize(const Args& args, std::ostream& out) {
   std::vector<uint8_t> pool;
   std::vector<int64_t> locs;
   std::string pool_path, locs_path;
-  KVF_TRY(LoadBytes(args, "pool", &pool, &pool_path));
+  KVF_TRY(Load(args, "pool", &pool, &pool_path));
   KVF_TRY(PagesOfPoolFile(pool, pool_path, &geometry));
   KVF_TRY(Load(args, "locs", &locs, &locs_path));
   std::vector<uint16_t> rows(locs.size() * kHeadDim);
@@ -160,7 +149,7 @@ Outcome Transcode(const Args& args, std::ostream& out) {
   std::vector<uint8_t> src;
   std::vector<int64_t> locs;
   std::string pool_path, locs_path;
-  KVF_TRY(LoadBytes(args, "pool", &src, &pool_path));
+  KVF_TRY(Load(args, "pool", &src, &pool_path));
   KVF_TRY(PagesOfPoolFile(src, pool_path, &from));
   KVF_TRY(Load(args, "locs", &locs, &locs_path));
   to.num_pages = from.num_pages;

@@ -9,13 +9,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvferry/kernels/validate.h"
+#include "kvferry/kernels/status_macros.h"
 
 namespace kvferry::server {
 
-#define KVF_RETURN_IF_ERROR(expr)            \
-  if (absl::Status _s = (expr); !_s.ok()) { \
-    return _s;                               \
-  }
 
 absl::StatusOr<std::shared_ptr<Pool>> Pool::Create(const PoolConfig& config,
                                                    std::shared_ptr<Backend> backend,

@@ -2,6 +2,7 @@
 #include "record.cuh"
 #include "kvferry/kernels/cuda_compressor.h"
 #include "kvferry/kernels/validate.h"
+#include "kvferry/kernels/status_macros.h"
 
 namespace kvferry::cuda {
 namespace {
@@ -27,10 +28,6 @@ absl::Status CheckAligned(const void* pointer, const char* what) {
   return absl::OkStatus();
 }
 
-#define KVF_RETURN_IF_ERROR(expr)            \
-  if (absl::Status _s = (expr); !_s.ok()) { \
-    return _s;                               \
-  }
 
 }  // namespace
 

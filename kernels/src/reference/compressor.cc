@@ -10,6 +10,7 @@
 #include "kvferry/kernels/compressor_math.h"
 #include "kvferry/kernels/numerics.h"
 #include "kvferry/kernels/ops.h"
+#include "kvferry/kernels/status_macros.h"
 #include "kvferry/kernels/validate.h"
 
 namespace kvferry {
@@ -37,7 +38,7 @@ absl::Status ValidateCompressorParams(const CompressorParams& p) {
   if (!(p.eps > 0.0f) || !std::isfinite(p.eps)) {
     return absl::InvalidArgumentError(absl::StrCat("eps ", p.eps, " must be finite and > 0"));
   }
-  if (absl::Status s = ValidateGeometry(p.geometry); !s.ok()) return s;
+  KVF_RETURN_IF_ERROR(ValidateGeometry(p.geometry));
   if (p.fp4_fake_quant &&
       (p.ratio > 2 || p.geometry.layout == Layout::kV41Fp4)) {
     return absl::InvalidArgumentError(
@@ -142,20 +143,18 @@ absl::Status CheckFinite(const float* values, int64_t count, const char* what) {
 }  // namespace
 
 absl::Status Compress(const CompressorParams& p) {
-  if (absl::Status s = ValidateCompressorParams(p); !s.ok()) return s;
+  KVF_RETURN_IF_ERROR(ValidateCompressorParams(p));
   const CompressorWindows w = CompressorEntries(p.ratio, p.first_position, p.num_rows);
   if (w.count == 0) return absl::OkStatus();
   const int64_t values = p.num_rows * CompressorCoff(p.ratio) * kHeadDim;
-  if (absl::Status s = CheckFinite(p.kv, values, "kv"); !s.ok()) return s;
+  KVF_RETURN_IF_ERROR(CheckFinite(p.kv, values, "kv"));
   if (p.ratio != 1) {
-    if (absl::Status s = CheckFinite(p.score, values, "score"); !s.ok()) return s;
+    KVF_RETURN_IF_ERROR(CheckFinite(p.score, values, "score"));
   }
-  if (absl::Status s = ValidateFinite({p.norm_weight, kHeadDim}); !s.ok()) return s;
-  if (absl::Status s = ValidateLocations({p.entry_locs, static_cast<size_t>(w.count)},
-                                         p.geometry.num_tokens(), /*unique=*/true, "entry location");
-      !s.ok()) {
-    return s;
-  }
+  KVF_RETURN_IF_ERROR(ValidateFinite({p.norm_weight, kHeadDim}));
+  KVF_RETURN_IF_ERROR(ValidateLocations({p.entry_locs, static_cast<size_t>(w.count)},
+                                        p.geometry.num_tokens(), /*unique=*/true,
+                                        "entry location"));
   std::vector<uint16_t> rows(w.count * kHeadDim);
   float pooled[kHeadDim];
   for (int64_t j = 0; j < w.count; ++j) {

@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvferry/kernels/numerics.h"
+#include "kvferry/kernels/status_macros.h"
 #include "kvferry/kernels/validate.h"
 
 namespace kvferry::reference {
@@ -99,18 +100,12 @@ void DequantizeRow(Layout layout, const uint8_t* data, const uint8_t* scale, uin
 
 absl::Status QuantizeStore(const PoolGeometry& geometry, std::span<const uint16_t> rows,
                            std::span<const int64_t> locs, std::span<uint8_t> pool) {
-  if (absl::Status s = ValidateGeometry(geometry); !s.ok()) return s;
-  if (absl::Status s = CheckSpan(pool.size(), geometry.pool_bytes(), "pool"); !s.ok()) return s;
-  if (absl::Status s = ValidateRowShape(static_cast<int64_t>(rows.size()),
-                                        static_cast<int64_t>(locs.size()));
-      !s.ok()) {
-    return s;
-  }
-  if (absl::Status s = ValidateFinite(rows); !s.ok()) return s;
-  if (absl::Status s = ValidateLocations(locs, geometry.num_tokens(), /*unique=*/true);
-      !s.ok()) {
-    return s;
-  }
+  KVF_RETURN_IF_ERROR(ValidateGeometry(geometry));
+  KVF_RETURN_IF_ERROR(CheckSpan(pool.size(), geometry.pool_bytes(), "pool"));
+  KVF_RETURN_IF_ERROR(ValidateRowShape(static_cast<int64_t>(rows.size()),
+                                       static_cast<int64_t>(locs.size())));
+  KVF_RETURN_IF_ERROR(ValidateFinite(rows));
+  KVF_RETURN_IF_ERROR(ValidateLocations(locs, geometry.num_tokens(), /*unique=*/true));
   for (size_t i = 0; i < locs.size(); ++i) {
     const RecordOffsets at = LocateRecord(geometry, locs[i]);
     QuantizeRow(geometry.layout, rows.data() + i * kHeadDim, pool.data() + at.data,
@@ -122,8 +117,8 @@ absl::Status QuantizeStore(const PoolGeometry& geometry, std::span<const uint16_
 absl::Status DequantizeGather(const PoolGeometry& geometry, std::span<const uint8_t> pool,
                               std::span<const int64_t> locs, std::span<uint16_t> out,
                               int64_t out_row_stride) {
-  if (absl::Status s = ValidateGeometry(geometry); !s.ok()) return s;
-  if (absl::Status s = CheckSpan(pool.size(), geometry.pool_bytes(), "pool"); !s.ok()) return s;
+  KVF_RETURN_IF_ERROR(ValidateGeometry(geometry));
+  KVF_RETURN_IF_ERROR(CheckSpan(pool.size(), geometry.pool_bytes(), "pool"));
   if (out_row_stride < kHeadDim) {
     return absl::InvalidArgumentError(
         absl::StrCat("workspace row stride ", out_row_stride, " is below ", kHeadDim));
@@ -134,10 +129,7 @@ absl::Status DequantizeGather(const PoolGeometry& geometry, std::span<const uint
     return absl::InvalidArgumentError(absl::StrCat("workspace holds ", out.size(),
                                                    " values, ", n, " rows need ", needed));
   }
-  if (absl::Status s = ValidateLocations(locs, geometry.num_tokens(), /*unique=*/false);
-      !s.ok()) {
-    return s;
-  }
+  KVF_RETURN_IF_ERROR(ValidateLocations(locs, geometry.num_tokens(), /*unique=*/false));
   for (int64_t i = 0; i < n; ++i) {
     const RecordOffsets at = LocateRecord(geometry, locs[i]);
     DequantizeRow(geometry.layout, pool.data() + at.data, pool.data() + at.scale,
@@ -149,14 +141,12 @@ absl::Status DequantizeGather(const PoolGeometry& geometry, std::span<const uint
 absl::Status Transcode(const PoolGeometry& from, std::span<const uint8_t> src,
                        const PoolGeometry& to, std::span<uint8_t> dst,
                        std::span<const int64_t> locs) {
-  if (absl::Status s = ValidateGeometry(from); !s.ok()) return s;
-  if (absl::Status s = ValidateGeometry(to); !s.ok()) return s;
-  if (absl::Status s = CheckSpan(src.size(), from.pool_bytes(), "source pool"); !s.ok()) return s;
-  if (absl::Status s = CheckSpan(dst.size(), to.pool_bytes(), "destination pool"); !s.ok()) {
-    return s;
-  }
+  KVF_RETURN_IF_ERROR(ValidateGeometry(from));
+  KVF_RETURN_IF_ERROR(ValidateGeometry(to));
+  KVF_RETURN_IF_ERROR(CheckSpan(src.size(), from.pool_bytes(), "source pool"));
+  KVF_RETURN_IF_ERROR(CheckSpan(dst.size(), to.pool_bytes(), "destination pool"));
   const int64_t limit = std::min(from.num_tokens(), to.num_tokens());
-  if (absl::Status s = ValidateLocations(locs, limit, /*unique=*/true); !s.ok()) return s;
+  KVF_RETURN_IF_ERROR(ValidateLocations(locs, limit, /*unique=*/true));
   uint16_t row[kHeadDim];
   for (const int64_t loc : locs) {
     const RecordOffsets in = LocateRecord(from, loc);
@@ -176,11 +166,8 @@ absl::Status ValidatePageCopy(const PageCopyGeometry& geometry, size_t pool_size
         "page copy geometry needs positive sizes, got page_bytes ", geometry.page_bytes,
         ", num_pages ", geometry.num_pages, ", num_layers ", geometry.num_layers));
   }
-  if (absl::Status s = CheckSpan(pool_size, geometry.pool_bytes(), "pool"); !s.ok()) return s;
-  if (absl::Status s = CheckSpan(buffer_size, geometry.buffer_bytes(pages.size()), "page buffer");
-      !s.ok()) {
-    return s;
-  }
+  KVF_RETURN_IF_ERROR(CheckSpan(pool_size, geometry.pool_bytes(), "pool"));
+  KVF_RETURN_IF_ERROR(CheckSpan(buffer_size, geometry.buffer_bytes(pages.size()), "page buffer"));
   return ValidateLocations(pages, geometry.num_pages, unique, "page");
 }
 
@@ -188,10 +175,7 @@ absl::Status ValidatePageCopy(const PageCopyGeometry& geometry, size_t pool_size
 
 absl::Status GatherPages(const PageCopyGeometry& geometry, std::span<const uint8_t> pool,
                          std::span<const int64_t> pages, std::span<uint8_t> buffer) {
-  if (absl::Status s = ValidatePageCopy(geometry, pool.size(), pages, buffer.size(), false);
-      !s.ok()) {
-    return s;
-  }
+  KVF_RETURN_IF_ERROR(ValidatePageCopy(geometry, pool.size(), pages, buffer.size(), false));
   const int64_t layer_bytes = geometry.num_pages * geometry.page_bytes;
   uint8_t* out = buffer.data();
   for (const int64_t page : pages) {
@@ -206,10 +190,7 @@ absl::Status GatherPages(const PageCopyGeometry& geometry, std::span<const uint8
 
 absl::Status ScatterPages(const PageCopyGeometry& geometry, std::span<const uint8_t> buffer,
                           std::span<const int64_t> pages, std::span<uint8_t> pool) {
-  if (absl::Status s = ValidatePageCopy(geometry, pool.size(), pages, buffer.size(), true);
-      !s.ok()) {
-    return s;
-  }
+  KVF_RETURN_IF_ERROR(ValidatePageCopy(geometry, pool.size(), pages, buffer.size(), true));
   const int64_t layer_bytes = geometry.num_pages * geometry.page_bytes;
   const uint8_t* in = buffer.data();
   for (const int64_t page : pages) {
