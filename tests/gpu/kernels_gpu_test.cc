@@ -83,8 +83,15 @@ class GpuRandomTest : public GpuTest, public ::testing::WithParamInterface<Rando
   }
 };
 
+// Token counts that reach every launch shape quantize-store picks (one block, four
+// blocks, ~128 blocks of one chunk per thread; a warp per token above 1024), including
+// blocks that hold part of a token.
+constexpr int64_t kShapeSizes[] = {2, 3, 5, 9, 16, 17, 31, 33, 100, 129, 300, 1024, 1025, 2047};
+
 TEST_P(GpuRandomTest, QuantizeStoreMatchesReference) {
-  for (int64_t n : kSizes) {
+  std::vector<int64_t> sizes(std::begin(kSizes), std::end(kSizes));
+  sizes.insert(sizes.end(), std::begin(kShapeSizes), std::end(kShapeSizes));
+  for (int64_t n : sizes) {
     SCOPED_TRACE("tokens " + std::to_string(n));
     const PoolGeometry g = GeometryFor(n);
     const auto rows = testing::RandomRows(n, 100 + n);

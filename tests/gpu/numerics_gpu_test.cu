@@ -32,20 +32,28 @@ __global__ void PackE4m3Kernel(uint8_t* out) {
   }
 }
 
-// out[(scale_code * 65536 + h)] = e2m1 of bf16(h) under e4m3 scale scale_code, by the
-// threshold version (half2 = false) or the half2 version the kernels use (half2 = true).
-__global__ void PackE2m1Kernel(uint8_t* out, bool half2) {
+// How PackE2m1Kernel encodes: the threshold form, or the half2 form the kernels use on
+// eight values (quantize-store) or on four (the compressors' FP4 tiles).
+enum class E2m1Form { kThresholds, kHalf2Eight, kHalf2Four };
+
+// out[(scale_code * 65536 + h)] = e2m1 of bf16(h) under e4m3 scale scale_code.
+__global__ void PackE2m1Kernel(uint8_t* out, E2m1Form form) {
   const int64_t base = (int64_t{blockIdx.x} * blockDim.x + threadIdx.x) * kChunk;
   if (base >= int64_t{128} * 65536) return;
   const float s = E4m3ToFloat(static_cast<uint8_t>(base >> 16));
   float v[kChunk];
-  uint16_t bits[kChunk];
-  for (int j = 0; j < kChunk; ++j) {
-    bits[j] = static_cast<uint16_t>((base + j) & 0xFFFF);
-    v[j] = Bf16ToFloat(bits[j]);
+  for (int j = 0; j < kChunk; ++j) v[j] = Bf16ToFloat(static_cast<uint16_t>((base + j) & 0xFFFF));
+  uint32_t packed;
+  if (form == E2m1Form::kThresholds) {
+    packed = cuda::detail::PackE2m1(v, s);
+  } else if (form == E2m1Form::kHalf2Eight) {
+    packed = cuda::detail::EncodeE2m1(v, cuda::detail::E2m1Multiplier(s));
+  } else {
+    const float lo[4] = {v[0], v[1], v[2], v[3]};
+    const float hi[4] = {v[4], v[5], v[6], v[7]};
+    const float inv = cuda::detail::E2m1Multiplier(s);
+    packed = cuda::detail::EncodeE2m1(lo, inv) | (cuda::detail::EncodeE2m1(hi, inv) << 16);
   }
-  const uint32_t packed =
-      half2 ? cuda::detail::PackE2m1Half2(v, bits, s) : cuda::detail::PackE2m1(v, s);
   for (int j = 0; j < kChunk; ++j) out[base + j] = (packed >> (4 * j)) & 0xF;
 }
 
@@ -107,7 +115,7 @@ TEST_F(NumericsGpuTest, HardwareE4m3EqualsReferenceForEveryScaledBf16) {
   EXPECT_EQ(mismatches, 0);
 }
 
-class E2m1GpuTest : public NumericsGpuTest, public ::testing::WithParamInterface<bool> {};
+class E2m1GpuTest : public NumericsGpuTest, public ::testing::WithParamInterface<E2m1Form> {};
 
 TEST_P(E2m1GpuTest, DivisionFreeE2m1EqualsReferenceForEveryBf16AndScale) {
   const int64_t n = int64_t{128} * 65536;
@@ -128,7 +136,9 @@ TEST_P(E2m1GpuTest, DivisionFreeE2m1EqualsReferenceForEveryBf16AndScale) {
   EXPECT_EQ(mismatches, 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(ThresholdsAndHalf2, E2m1GpuTest, ::testing::Values(false, true));
+INSTANTIATE_TEST_SUITE_P(ThresholdsAndHalf2, E2m1GpuTest,
+                         ::testing::Values(E2m1Form::kThresholds, E2m1Form::kHalf2Eight,
+                                           E2m1Form::kHalf2Four));
 
 TEST_F(NumericsGpuTest, DeviceScaleRulesEqualReferenceForEveryBf16Amax) {
   testing::DeviceBuffer v4(0x7F80), fp4(0x7F80), decoded(0x7F80 * sizeof(float));

@@ -139,7 +139,7 @@ __device__ __forceinline__ void FinishEntry(const float (&pooled)[kCompressValue
     // Quantize each 16-value tile (4 threads) as V41_FP4 does, and decode it back.
     const uint8_t code = Fp4ScaleCodeFast(GroupAmax<4>(v));
     const float s = E4m3ToFloatFast(code);
-    UnpackE2m1(PackE2m1Half2(v, bits, s), s, bits);
+    UnpackE2m1(EncodeE2m1(v, E2m1Multiplier(s)), s, bits);
 #pragma unroll
     for (int i = 0; i < kCompressValues; ++i) v[i] = numerics::Bf16ToFloat(bits[i]);
   }
@@ -175,7 +175,7 @@ __device__ __forceinline__ void FinishEntry(const float (&pooled)[kCompressValue
     }
   } else {
     const uint8_t code = Fp4ScaleCodeFast(GroupAmax<4>(v));
-    const uint32_t packed = PackE2m1Half2(v, bits, E4m3ToFloatFast(code));
+    const uint32_t packed = EncodeE2m1(v, E2m1Multiplier(E4m3ToFloatFast(code)));
     if (in_range) {
       reinterpret_cast<uint16_t*>(data)[g] = static_cast<uint16_t>(packed);
       if ((g & 3) == 0) scale[g >> 2] = code;

@@ -12,25 +12,20 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
                            int64_t num_tokens, int64_t pool_tokens,
                            uint16_t* __restrict__ out,  // [n, out_row_stride] bf16
                            int64_t out_row_stride) {
-  const int lane = threadIdx.x & (kWarp - 1);
-  const int64_t token = WarpToken();
+  int lane;
+  const int64_t token = ThreadToken<2>(lane);
   int64_t loc;
   if (token >= num_tokens || !TokenLocation(locs, token, pool_tokens, loc)) return;
   int64_t data, scale;
   Addressing<L, kLog2Page>::Locate(loc, data, scale);
-  LaneRow r;
+  RowShare<2> r;
   LoadRecord<L>(pool + data, pool + scale, lane, r);
   uint16_t* row = out + token * out_row_stride;
 #pragma unroll
-  for (int k = 0; k < kChunksPerLane; ++k) {
-    uint16_t* dst = row + kChunk * ChunkOf(lane, k);
+  for (int k = 0; k < 2; ++k) {
+    uint16_t* dst = row + kChunk * ChunkOf<2>(lane, k);
     if constexpr (kAlignedOut) {
-      uint4 packed;
-      packed.x = r.bits[k][0] | (uint32_t{r.bits[k][1]} << 16);
-      packed.y = r.bits[k][2] | (uint32_t{r.bits[k][3]} << 16);
-      packed.z = r.bits[k][4] | (uint32_t{r.bits[k][5]} << 16);
-      packed.w = r.bits[k][6] | (uint32_t{r.bits[k][7]} << 16);
-      *reinterpret_cast<uint4*>(dst) = packed;
+      *reinterpret_cast<uint4*>(dst) = JoinBf16(r.bits[k]);
     } else {
 #pragma unroll
       for (int j = 0; j < kChunk; ++j) dst[j] = r.bits[k][j];

@@ -1,35 +1,81 @@
 // quantize-store: [n, 512] bf16 rows + [n] locations → records in the pool.
 #pragma once
 
+#include <algorithm>
+#include <bit>
+
 #include "record.cuh"
 
 namespace kvferry::cuda::detail {
 
-template <Layout L, int kLog2Page>
+template <Layout L, int kLog2Page, int kChunks>
 __global__ void __launch_bounds__(kThreadsPerBlock)
     QuantizeStoreKernel(const uint16_t* __restrict__ rows,  // [n, 512] bf16
                         const int64_t* __restrict__ locs,   // [n]
                         int64_t num_tokens, int64_t pool_tokens,
                         uint8_t* __restrict__ pool) {
-  const int lane = threadIdx.x & (kWarp - 1);
-  const int64_t token = WarpToken();
+  int t;
+  const int64_t token = ThreadToken<kChunks>(t);
   if (token >= num_tokens) return;
-  // The row load does not depend on the location: issue both before either is used.
-  LaneRow r;
-  LoadBf16Row(rows + token * kHeadDim, lane, r);
-  int64_t loc;
-  if (!TokenLocation(locs, token, pool_tokens, loc)) return;
-  int64_t data, scale;
-  Addressing<L, kLog2Page>::Locate(loc, data, scale);
-  StoreRecord<L>(r, lane, pool + data, pool + scale);
+  const uint16_t* row = rows + token * kHeadDim;
+  // The row loads do not depend on the location: issue them all before any is used.
+  if constexpr (kChunks == 2) {
+    RowShare<2> r;
+    LoadBf16Row(row, t, r);
+    int64_t loc;
+    if (!TokenLocation(locs, token, pool_tokens, loc)) return;
+    int64_t data, scale;
+    Addressing<L, kLog2Page>::Locate(loc, data, scale);
+    StoreRecord<L>(r, t, pool + data, pool + scale);
+  } else {
+    // One chunk per thread (small launches). The thread also loads the other chunk of its
+    // pair, t ^ 1, of the same tile: its own amax then covers two lanes, which saves the
+    // first shuffle (all of them for V41_FP4, whose tiles are two chunks).
+    const uint4 own = __ldg(reinterpret_cast<const uint4*>(row) + t);
+    const uint4 pair = __ldg(reinterpret_cast<const uint4*>(row) + (t ^ 1));
+    int64_t loc;
+    if (!TokenLocation(locs, token, pool_tokens, loc)) return;
+    float v[kChunk], pair_v[kChunk];
+    uint16_t bits[kChunk], pair_bits[kChunk];
+    SplitBf16(own, bits, v);
+    SplitBf16(pair, pair_bits, pair_v);
+    int64_t data, scale;
+    Addressing<L, kLog2Page>::Locate(loc, data, scale);
+    StoreChunk<L, 2>(v, bits, fmaxf(Amax(v), Amax(pair_v)), t, pool + data, pool + scale);
+  }
+}
+
+// Launch shape for n tokens: chunks per thread and threads per block.
+struct QuantizeShape {
+  int chunks;
+  int threads;
+};
+
+// Up to kSmallLaunchTokens tokens, one chunk per thread (64 threads per token) halves each
+// thread's dependent chain; above, two chunks per thread (a warp per token, 8 per block)
+// move the most bytes per instruction. Small launches take the block count that finished
+// soonest in graph replays on the H200 (bench/RESULTS.md): one block for a single token,
+// four blocks up to 16 tokens, then about one block per SM (128 blocks) up to 512 tokens.
+inline constexpr int64_t kSmallLaunchTokens = 1024;
+
+inline QuantizeShape ChooseQuantizeShape(int64_t num_tokens) {
+  if (num_tokens > kSmallLaunchTokens) return {2, kThreadsPerBlock};
+  if (num_tokens == 1) return {1, 64};
+  const int64_t pow2 = std::bit_ceil(static_cast<uint64_t>(num_tokens));
+  const int64_t threads = num_tokens <= 16 ? pow2 * 16 : pow2 / 2;  // 4 or 128 blocks
+  return {1, static_cast<int>(std::clamp<int64_t>(threads, kWarp, kThreadsPerBlock))};
 }
 
 template <Layout L>
 absl::Status LaunchQuantizeStore(const QuantizeStoreParams& p, cudaStream_t stream) {
+  const QuantizeShape shape = ChooseQuantizeShape(p.num_tokens);
+  const int64_t threads_total = p.num_tokens * (kRowChunks / shape.chunks);
+  const int64_t blocks = (threads_total + shape.threads - 1) / shape.threads;
   return DispatchPageSize(p.geometry.page_size, [&](auto log2_page) {
     constexpr int kLog2Page = decltype(log2_page)::value;
-    return LaunchKernel(QuantizeStoreKernel<L, kLog2Page>, BlocksFor(p.num_tokens),
-                        kThreadsPerBlock, stream, "QuantizeStoreKernel", p.rows, p.locs,
+    return LaunchKernel(shape.chunks == 1 ? QuantizeStoreKernel<L, kLog2Page, 1>
+                                          : QuantizeStoreKernel<L, kLog2Page, 2>,
+                        blocks, shape.threads, stream, "QuantizeStoreKernel", p.rows, p.locs,
                         p.num_tokens, p.geometry.num_tokens(), p.pool);
   });
 }

@@ -1,11 +1,13 @@
-// Warp-level encode/decode of one token record: the shared body of the CUDA kernels.
+// Encode/decode of one token record: the shared body of the CUDA kernels.
 //
-// One warp handles one token. Lane l owns two 8-value chunks of the 512-value row:
-// chunk l (dims 8l..8l+7) and chunk l+32 (dims 256+8l..). Every global access of a warp
-// is then contiguous (16 B bf16 per lane per chunk, 8/4 B of codes), and a quantization
-// tile is a group of 2 (V41_FP4), 4 (V41) or 8 (V4) neighbouring lanes whose amax is a
-// couple of xor shuffles. The scalar conversions are the ones of numerics.h, so results
-// equal the CPU reference bit for bit.
+// A token is handled by 32 or 64 consecutive threads of a block, each owning kChunks = 2 or
+// 1 of the row's 64 eight-value chunks: thread t owns chunk t (and t + 32 when it owns two;
+// then one warp is one token). Either way a warp's global accesses are contiguous (16 B
+// bf16 per thread per chunk, 8/4 B of codes), and a quantization tile is a group of 2
+// (V41_FP4), 4 (V41) or 8 (V4) neighbouring lanes whose amax is a couple of xor shuffles.
+// Two chunks per thread is the shape for throughput; one chunk per thread halves each
+// thread's dependent chain, the shape for small launches. The scalar conversions are the
+// ones of numerics.h, so results equal the CPU reference bit for bit.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -25,18 +27,26 @@
 namespace kvferry::cuda::detail {
 
 inline constexpr int kWarp = 32;
-inline constexpr int kChunk = 8;           // values per chunk
-inline constexpr int kChunksPerLane = 2;   // chunks l and l + 32
-inline constexpr int kWarpsPerBlock = 8;   // tokens per block
-inline constexpr int kThreadsPerBlock = kWarp * kWarpsPerBlock;
+inline constexpr int kChunk = 8;                          // values per chunk
+inline constexpr int kRowChunks = kHeadDim / kChunk;      // 64
+inline constexpr int kNopeChunks = kNopeDim / kChunk;     // 56: V4 chunks 56..63 are RoPE
+inline constexpr int kThreadsPerBlock = 256;              // the largest block of any shape
+inline constexpr int kWarpsPerBlock = kThreadsPerBlock / kWarp;  // tokens per block, 2 chunks
 
-// A token row in registers: v[k][j] is dim 8 * (lane + 32k) + j, in fp32.
-struct LaneRow {
-  float v[kChunksPerLane][kChunk];
-  uint16_t bits[kChunksPerLane][kChunk];  // bf16 bits of the same values
+// The chunks of a token row a thread owns: v[k][j] is dim 8 * ChunkOf<kChunks>(t, k) + j,
+// in fp32, and bits[k][j] its bf16 bits.
+template <int kChunks>
+struct RowShare {
+  static_assert(kChunks == 1 || kChunks == 2);
+  static constexpr int kThreadsPerToken = kRowChunks / kChunks;
+  float v[kChunks][kChunk];
+  uint16_t bits[kChunks][kChunk];
 };
 
-__device__ __forceinline__ int ChunkOf(int lane, int k) { return lane + kWarp * k; }
+template <int kChunks>
+__device__ __forceinline__ int ChunkOf(int t, int k) {
+  return t + RowShare<kChunks>::kThreadsPerToken * k;
+}
 
 // Location → record pointers with the page size a compile-time constant.
 template <Layout L, int kLog2Page>
@@ -54,39 +64,63 @@ struct Addressing {
   }
 };
 
-__device__ __forceinline__ void LoadBf16Row(const uint16_t* __restrict__ row, int lane,
-                                            LaneRow& r) {
+__device__ __forceinline__ void SplitBf16(uint4 raw, uint16_t (&bits)[kChunk], float (&v)[kChunk]) {
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
-  for (int k = 0; k < kChunksPerLane; ++k) {
-    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(row) + ChunkOf(lane, k));
-    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      r.bits[k][2 * j] = static_cast<uint16_t>(words[j] & 0xFFFFu);
-      r.bits[k][2 * j + 1] = static_cast<uint16_t>(words[j] >> 16);
-    }
-#pragma unroll
-    for (int j = 0; j < kChunk; ++j) r.v[k][j] = numerics::Bf16ToFloat(r.bits[k][j]);
+  for (int j = 0; j < 4; ++j) {
+    bits[2 * j] = static_cast<uint16_t>(words[j] & 0xFFFFu);
+    bits[2 * j + 1] = static_cast<uint16_t>(words[j] >> 16);
   }
+#pragma unroll
+  for (int j = 0; j < kChunk; ++j) v[j] = numerics::Bf16ToFloat(bits[j]);
 }
 
-// Max of |v| over N values, then over the `kGroup` neighbouring lanes that share a tile.
-// Values are finite, so fmaxf of magnitudes equals the reference's max on magnitude bits.
-template <int kGroup, int N>
-__device__ __forceinline__ float GroupAmax(const float (&v)[N]) {
-  float m = 0.0f;
+__device__ __forceinline__ uint4 JoinBf16(const uint16_t (&bits)[kChunk]) {
+  return make_uint4(bits[0] | (uint32_t{bits[1]} << 16), bits[2] | (uint32_t{bits[3]} << 16),
+                    bits[4] | (uint32_t{bits[5]} << 16), bits[6] | (uint32_t{bits[7]} << 16));
+}
+
+template <int kChunks>
+__device__ __forceinline__ void LoadBf16Row(const uint16_t* __restrict__ row, int t,
+                                            RowShare<kChunks>& r) {
+  uint4 raw[kChunks];  // both loads issued before either is used
 #pragma unroll
-  for (int j = 0; j < N; ++j) m = fmaxf(m, fabsf(v[j]));
+  for (int k = 0; k < kChunks; ++k) {
+    raw[k] = __ldg(reinterpret_cast<const uint4*>(row) + ChunkOf<kChunks>(t, k));
+  }
 #pragma unroll
-  for (int offset = 1; offset < kGroup; offset <<= 1) {
+  for (int k = 0; k < kChunks; ++k) SplitBf16(raw[k], r.bits[k], r.v[k]);
+}
+
+// Max of |v| over N (a power of two) values, as a tree. Values are finite, so fmaxf of
+// magnitudes equals the reference's max on magnitude bits.
+template <int N>
+__device__ __forceinline__ float Amax(const float (&v)[N]) {
+  float m[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) m[j] = fabsf(v[j]);
+#pragma unroll
+  for (int width = N / 2; width >= 1; width /= 2) {
+#pragma unroll
+    for (int j = 0; j < width; ++j) m[j] = fmaxf(m[j], m[j + width]);
+  }
+  return m[0];
+}
+
+// The max of m over the kGroup neighbouring lanes that share a tile, when each lane's m
+// already covers kCovered (1 or 2) lanes' values.
+template <int kGroup, int kCovered = 1>
+__device__ __forceinline__ float TileMax(float m) {
+#pragma unroll
+  for (int offset = kCovered; offset < kGroup; offset <<= 1) {
     m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, offset));
   }
   return m;
 }
 
-template <int kGroup>
-__device__ __forceinline__ float TileAmax(const LaneRow& r, int k) {
-  return GroupAmax<kGroup>(r.v[k]);
+template <int kGroup, int N>
+__device__ __forceinline__ float GroupAmax(const float (&v)[N]) {
+  return TileMax<kGroup>(Amax(v));
 }
 
 // N values (a multiple of 4) times a power of two → N e4m3 codes in N / 4 words, with
@@ -120,7 +154,9 @@ __device__ __forceinline__ uint2 PackE4m3(const float (&v)[kChunk], float multip
 // exactly when a <= t * s: t * s is exact (at most 7 significant bits), and no bf16 value
 // lies strictly between t * s and the point (t + ulp(t) / 2) * s, where rounding of the
 // quotient could cross t. The same holds for <. The sign comes from x < 0 (an input of -0
-// gives +0, as "+ 0.0f" does; no bf16 quotient underflows to zero).
+// gives +0, as "+ 0.0f" does; no bf16 quotient underflows to zero). The kernels use the
+// cheaper EncodeE2m1; this threshold form is its independent cross-check in
+// numerics_gpu_test, both compared with the reference for every bf16 value and scale.
 __device__ __forceinline__ uint32_t PackE2m1(const float (&v)[kChunk], float s) {
   const float t025 = 0.25f * s, t075 = 0.75f * s, t125 = 1.25f * s, t175 = 1.75f * s;
   const float t250 = 2.5f * s, t350 = 3.5f * s, t500 = 5.0f * s;
@@ -162,40 +198,45 @@ __device__ __forceinline__ float E4m3ToFloatFast(uint8_t code) {
   return __half2float(__half(raw));
 }
 
-// PackE2m1 in half2 arithmetic, two values per instruction. q = |x| * rcp(s), with the
-// hardware's approximate reciprocal (relative error below 2^-22), is within 2^-21 of
-// |x| / s; the conversion to fp16 (11 bits) then lands exactly on a rounding
-// threshold t where |x| = t * s (a tie), and elsewhere stays on the correct side (a bf16
-// |x| is at least 2^-9 relative away from any t * s, see PackE2m1). The e2m1 rounding is
-// the magic-number trick: (q + M) - M with M = 2^(exponent(q) + 9) (at least 512) rounds
-// q to one mantissa bit, ties to even, on the e2m1 grid; clamping to 6 saturates; and
-// times 2^-14 the fp16 bits of the result are the e2m1 code, shifted left by 9.
-template <int N>
-__device__ __forceinline__ uint32_t PackE2m1Half2(const float (&v)[N], const uint16_t (&bits)[N],
-                                                  float s) {
+// The multiplier EncodeE2m1 takes for an FP4 scale s: the hardware's approximate
+// reciprocal, relative error below 2^-22 (s >= 2^-9, so no denormals).
+__device__ __forceinline__ float E2m1Multiplier(float s) {
   float inv;
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(inv) : "f"(s));  // s >= 2^-9: no denormals
-  const __half2 clamp_in = __float2half2_rn(8.0f);
-  const __half2 clamp_out = __float2half2_rn(6.0f);
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(inv) : "f"(s));
+  return inv;
+}
+
+// PackE2m1 in half2 arithmetic, two values per instruction; `inv` is E2m1Multiplier(s).
+// q = fma(x, inv, +0) is within 2^-21 of x / s and has the sign of x, except that x = -0
+// gives +0 (the spec's "+ 0.0f"; no nonzero bf16 product underflows: |q| >= 2^-142). The
+// conversion to fp16 (11 bits) then lands exactly on a rounding threshold t where
+// |x| = t * s (a tie), and elsewhere stays on the correct side (a bf16 |x| is at least 2^-9
+// relative away from any t * s, see PackE2m1); it keeps the sign even where the magnitude
+// flushes to zero. On a = min(|q|, 6) the e2m1 rounding is the magic-number trick:
+// (a + M) - M with M = 2^(exponent(a) + 9) (at least 512) rounds a to one mantissa bit,
+// ties to even, on the e2m1 grid, and 6 is its top. Times 2^-14 the fp16 bits of the result
+// are the magnitude code shifted left by 9; the sign bit (15) moves to the nibble's bit 3.
+// Values are paired (v[p], v[p + N/2]) so each half2's two nibbles need one shift into place.
+template <int N>
+__device__ __forceinline__ uint32_t EncodeE2m1(const float (&v)[N], float inv) {
+  static_assert(N == 4 || N == 8);
+  const __half2 six = __float2half2_rn(6.0f);
   const __half2 to_code = __float2half2_rn(0.00006103515625f);  // 2^-14
   uint32_t packed = 0;
 #pragma unroll
   for (int p = 0; p < N / 2; ++p) {
-    __half2 q = __floats2half2_rn(__fmul_rn(fabsf(v[2 * p]), inv),
-                                  __fmul_rn(fabsf(v[2 * p + 1]), inv));
-    q = __hmin2(q, clamp_in);
-    const uint32_t q_bits = *reinterpret_cast<const uint32_t*>(&q);
-    const uint32_t m_bits = __viaddmax_u16x2(q_bits & 0x7C007C00u, 0x24002400u, 0x60006000u);
+    __half2 q = __floats2half2_rn(__fmaf_rn(v[p], inv, 0.0f), __fmaf_rn(v[p + N / 2], inv, 0.0f));
+    const __half2 a = __hmin2(__habs2(q), six);
+    const uint32_t m_bits =
+        __viaddmax_u16x2(*reinterpret_cast<const uint32_t*>(&a) & 0x7C007C00u, 0x24002400u,
+                         0x60006000u);
     const __half2 m = *reinterpret_cast<const __half2*>(&m_bits);
-    __half2 r = __hsub2(__hadd2(q, m), m);
-    r = __hmul2(__hmin2(r, clamp_out), to_code);
-    const uint32_t r_bits = *reinterpret_cast<const uint32_t*>(&r);
-    // Sign: the bf16 sign bit of a value with a nonzero magnitude (so -0 → +0).
-    const uint32_t w = bits[2 * p] | (uint32_t{bits[2 * p + 1]} << 16);
-    const uint32_t negative = w & ((w & 0x7FFF7FFFu) + 0x7FFF7FFFu) & 0x80008000u;
-    const uint32_t x = ((r_bits >> 9) & 0x00070007u) | (negative >> 12);
-    packed |= ((x | (x >> 12)) & 0xFFu) << (8 * p);
+    __half2 r = __hmul2(__hsub2(__hadd2(a, m), m), to_code);
+    const uint32_t nibbles = (*reinterpret_cast<const uint32_t*>(&r) >> 9) |
+                             ((*reinterpret_cast<const uint32_t*>(&q) >> 12) & 0x00080008u);
+    packed |= nibbles << (4 * p);  // v[p] at bits 4p, v[p + 4] at 4p + 16
   }
+  if constexpr (N == 4) packed = (packed | (packed >> 8)) & 0xFFFFu;  // v[p + 2] to 4p + 8
   return packed;
 }
 
@@ -233,78 +274,94 @@ __device__ __forceinline__ void UnpackE2m1(uint32_t codes, float s, uint16_t (&b
   }
 }
 
-// Writes the lane's part of the record of `r` (all lanes of the warp must call).
-template <Layout L>
-__device__ __forceinline__ void StoreRecord(const LaneRow& r, int lane, uint8_t* __restrict__ data,
-                                            uint8_t* __restrict__ scale) {
+// Writes chunk c (values v, bf16 bits `bits`) of a record and its tile's scale byte, given
+// `amax`, the max of |v| and, when kCovered is 2, of the neighbouring chunk c ^ 1. All lanes
+// of the warp must call (the tile amax shuffles). Every lane of a tile stores the same scale
+// byte, so that store needs neither a branch nor a predicate.
+template <Layout L, int kCovered = 1>
+__device__ __forceinline__ void StoreChunk(const float (&v)[kChunk], const uint16_t (&bits)[kChunk],
+                                           float amax, int c, uint8_t* __restrict__ data,
+                                           uint8_t* __restrict__ scale) {
+  constexpr int kGroup = GetLayoutInfo(L).tile / kChunk;  // lanes per tile
   if constexpr (L == Layout::kV41) {
-#pragma unroll
-    for (int k = 0; k < kChunksPerLane; ++k) {
-      const int c = ChunkOf(lane, k);
-      const uint8_t e = numerics::V41ScaleExponent(TileAmax<4>(r, k));
-      *reinterpret_cast<uint2*>(data + kChunk * c) = PackE4m3(r.v[k], numerics::Ue8m0Reciprocal(e));
-      if ((c & 3) == 0) scale[c >> 2] = e;
-    }
+    const uint8_t e = numerics::V41ScaleExponent(TileMax<kGroup, kCovered>(amax));
+    *reinterpret_cast<uint2*>(data + kChunk * c) = PackE4m3(v, numerics::Ue8m0Reciprocal(e));
+    scale[c >> 2] = e;
   } else if constexpr (L == Layout::kV4) {
-#pragma unroll
-    for (int k = 0; k < kChunksPerLane; ++k) {
-      const int c = ChunkOf(lane, k);
-      // Chunks 56..63 (lanes 24..31 at k = 1) are the RoPE dims; their tile group of 8
-      // lanes is all RoPE, so the shuffle stays uniform and its result is unused there.
-      const uint8_t e = V4ScaleExponentBf16(TileAmax<8>(r, k));
-      if (c < kNopeDim / kChunk) {
-        *reinterpret_cast<uint2*>(data + kChunk * c) =
-            PackE4m3(r.v[k], numerics::Ue8m0Reciprocal(e));
-        if ((c & 7) == 0) scale[c >> 3] = e;
-      } else {
-        uint4 raw;
-        raw.x = r.bits[k][0] | (uint32_t{r.bits[k][1]} << 16);
-        raw.y = r.bits[k][2] | (uint32_t{r.bits[k][3]} << 16);
-        raw.z = r.bits[k][4] | (uint32_t{r.bits[k][5]} << 16);
-        raw.w = r.bits[k][6] | (uint32_t{r.bits[k][7]} << 16);
-        const int rope_chunk = c - kNopeDim / kChunk;
-        *reinterpret_cast<uint4*>(data + kNopeDim + 16 * rope_chunk) = raw;
-        if (rope_chunk == 0) scale[7] = 0;
-      }
-    }
+    // Chunks 56..63 are the RoPE dims; their tile group of 8 lanes is all RoPE, so the
+    // shuffles stay uniform. Codes are computed for them too (and dropped), and the two
+    // stores are predicated, so the warp never diverges.
+    const uint8_t e = V4ScaleExponentBf16(TileMax<kGroup, kCovered>(amax));
+    const uint2 codes = PackE4m3(v, numerics::Ue8m0Reciprocal(e));
+    const uint4 raw = JoinBf16(bits);
+    const bool rope = c >= kNopeChunks;
+    const size_t record = __cvta_generic_to_global(data);
+    asm volatile(
+        "{\n\t.reg .pred p;\n\t"
+        "setp.ne.b32 p, %0, 0;\n\t"
+        "@p st.global.v4.b32 [%1], {%2, %3, %4, %5};\n\t"
+        "@!p st.global.v2.b32 [%6], {%7, %8};\n\t}"
+        :
+        : "r"(static_cast<int>(rope)), "l"(record + kNopeDim + 16 * (c - kNopeChunks)),
+          "r"(raw.x), "r"(raw.y), "r"(raw.z), "r"(raw.w), "l"(record + kChunk * c), "r"(codes.x),
+          "r"(codes.y)
+        : "memory");
+    scale[c >> 3] = rope ? 0 : e;  // byte 7 is the pad byte
   } else {
-#pragma unroll
-    for (int k = 0; k < kChunksPerLane; ++k) {
-      const int c = ChunkOf(lane, k);
-      const uint8_t code = Fp4ScaleCodeFast(TileAmax<2>(r, k));
-      *reinterpret_cast<uint32_t*>(data + 4 * c) =
-          PackE2m1Half2(r.v[k], r.bits[k], E4m3ToFloatFast(code));
-      if ((c & 1) == 0) scale[c >> 1] = code;
-    }
+    const uint8_t code = Fp4ScaleCodeFast(TileMax<kGroup, kCovered>(amax));
+    *reinterpret_cast<uint32_t*>(data + 4 * c) =
+        EncodeE2m1(v, E2m1Multiplier(E4m3ToFloatFast(code)));
+    scale[c >> 1] = code;
   }
 }
 
-// Reads the lane's part of a record back into fp32 values and their bf16 bits.
+template <Layout L, int kChunks>
+__device__ __forceinline__ void StoreRecord(const RowShare<kChunks>& r, int t,
+                                            uint8_t* __restrict__ data,
+                                            uint8_t* __restrict__ scale) {
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    StoreChunk<L>(r.v[k], r.bits[k], Amax(r.v[k]), ChunkOf<kChunks>(t, k), data, scale);
+  }
+}
+
+// Reads a lane's two chunks of a record back into fp32 values and their bf16 bits. All
+// loads are issued before any is decoded, so a token costs one memory round trip.
 template <Layout L>
 __device__ __forceinline__ void LoadRecord(const uint8_t* __restrict__ data,
                                            const uint8_t* __restrict__ scale, int lane,
-                                           LaneRow& r) {
+                                           RowShare<2>& r) {
+  constexpr int kChunksPerTile = GetLayoutInfo(L).tile / kChunk;
+  uint4 raw[2] = {};
+  uint8_t scales[2] = {};
 #pragma unroll
-  for (int k = 0; k < kChunksPerLane; ++k) {
-    const int c = ChunkOf(lane, k);
-    if constexpr (L == Layout::kV4 || L == Layout::kV41) {
-      constexpr int kChunksPerTile = GetLayoutInfo(L).tile / kChunk;
-      if (L == Layout::kV4 && c >= kNopeDim / kChunk) {
-        const uint4 raw =
-            __ldg(reinterpret_cast<const uint4*>(data + kNopeDim) + (c - kNopeDim / kChunk));
-        const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+  for (int k = 0; k < 2; ++k) {
+    const int c = ChunkOf<2>(lane, k);
+    if constexpr (L == Layout::kV41Fp4) {
+      raw[k].x = __ldg(reinterpret_cast<const uint32_t*>(data) + c);
+    } else if (L == Layout::kV4 && c >= kNopeChunks) {
+      raw[k] = __ldg(reinterpret_cast<const uint4*>(data + kNopeDim) + (c - kNopeChunks));
+    } else {
+      const uint2 codes = __ldg(reinterpret_cast<const uint2*>(data) + c);
+      raw[k].x = codes.x;
+      raw[k].y = codes.y;
+    }
+    if (L != Layout::kV4 || c < kNopeChunks) scales[k] = __ldg(scale + c / kChunksPerTile);
+  }
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          r.bits[k][2 * j] = static_cast<uint16_t>(words[j] & 0xFFFFu);
-          r.bits[k][2 * j + 1] = static_cast<uint16_t>(words[j] >> 16);
-        }
-      } else {
-        const uint2 codes = __ldg(reinterpret_cast<const uint2*>(data + kChunk * c));
-        UnpackE4m3(codes, numerics::Ue8m0ToFloat(__ldg(scale + c / kChunksPerTile)), r.bits[k]);
+  for (int k = 0; k < 2; ++k) {
+    const int c = ChunkOf<2>(lane, k);
+    if constexpr (L == Layout::kV41Fp4) {
+      UnpackE2m1(raw[k].x, E4m3ToFloatFast(scales[k]), r.bits[k]);
+    } else if (L == Layout::kV4 && c >= kNopeChunks) {
+      const uint32_t words[4] = {raw[k].x, raw[k].y, raw[k].z, raw[k].w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        r.bits[k][2 * j] = static_cast<uint16_t>(words[j] & 0xFFFFu);
+        r.bits[k][2 * j + 1] = static_cast<uint16_t>(words[j] >> 16);
       }
     } else {
-      const uint32_t codes = __ldg(reinterpret_cast<const uint32_t*>(data + 4 * c));
-      UnpackE2m1(codes, E4m3ToFloatFast(__ldg(scale + (c >> 1))), r.bits[k]);
+      UnpackE4m3(make_uint2(raw[k].x, raw[k].y), numerics::Ue8m0ToFloat(scales[k]), r.bits[k]);
     }
 #pragma unroll
     for (int j = 0; j < kChunk; ++j) r.v[k][j] = numerics::Bf16ToFloat(r.bits[k][j]);
@@ -384,11 +441,17 @@ absl::Status LaunchKernel(void (*kernel)(KernelArgs...), int64_t blocks, int thr
   return LaunchClusterKernel(kernel, blocks, threads, 1, stream, name, args...);
 }
 
-// The token of the calling warp (one warp per token), after the PDL handshake.
-__device__ __forceinline__ int64_t WarpToken() {
+// The token of the calling thread and its index t among the token's 64 / kChunks threads,
+// after the PDL handshake. Tokens are numbered by global thread index, so a block may hold
+// several tokens or part of one (blockDim.x a multiple of 32: a warp never splits a tile).
+template <int kChunks>
+__device__ __forceinline__ int64_t ThreadToken(int& t) {
   WaitForPrerequisiteGrid();
   AllowDependentGridLaunch();
-  return int64_t{blockIdx.x} * kWarpsPerBlock + (threadIdx.x >> 5);
+  constexpr int kThreads = RowShare<kChunks>::kThreadsPerToken;
+  const int64_t thread = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  t = static_cast<int>(thread & (kThreads - 1));
+  return thread / kThreads;
 }
 
 // Reads the token's location; false when it is outside the pool. Callers validate
