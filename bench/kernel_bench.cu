@@ -1,7 +1,8 @@
 // CUDA kernel benchmark: bandwidth at 1M tokens against a device-to-device copy measured in
 // the same run, per-launch latency by graph replay, and page gather/scatter throughput.
 //
-// Usage: kernel_bench [--tokens N] [--reps R]   (prints a Markdown table)
+// Usage: kernel_bench [--tokens N] [--reps R] [--shapes]   (prints Markdown tables)
+//   --shapes adds the quantize-store launch-shape sweep behind ChooseQuantizeShape.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 #include "cuda_timing.h"
 #include "common/random_rows.h"
 #include "kvferry/kernels/cuda_ops.h"
+#include "quantize_store.cuh"
 
 namespace kvferry {
 namespace {
@@ -34,24 +36,107 @@ void Ok(const absl::Status& s) {
 using bench::GraphLaunchUs;
 using bench::MedianMs;
 
+// Quantize-store latency of every launch shape (one chunk per thread at 32..256 threads per
+// block, a warp per token at 256) against the shape ChooseQuantizeShape picks, in µs.
+template <Layout L>
+void LaunchShape(int chunks, int threads, const PoolGeometry& g, const uint16_t* rows,
+                 const int64_t* locs, int64_t n, uint8_t* pool, cudaStream_t stream) {
+  const int64_t blocks = (n * (kHeadDim / 8 / chunks) + threads - 1) / threads;
+  Ok(cuda::detail::LaunchKernel(chunks == 1 ? cuda::detail::QuantizeStoreKernel<L, 6, 1>
+                                            : cuda::detail::QuantizeStoreKernel<L, 6, 2>,
+                                blocks, threads, stream, "QuantizeStoreKernel", rows, locs, n,
+                                g.num_tokens(), pool));
+}
+
+void ShapeSweep(int reps, const uint16_t* rows, int page_size) {
+  if (page_size != 64) return;  // the sweep instantiates page size 64 only
+  const std::pair<int, int> kShapes[] = {{1, 32}, {1, 64}, {1, 128}, {1, 256}, {2, 256}};
+  std::printf("| quantize-store µs by launch shape | tokens | chosen | 1 chunk, 32 thr | 64 | 128 | 256 | 2 chunks, 256 thr |\n|---|---|---|---|---|---|---|---|\n");
+  for (Layout layout : {Layout::kV4, Layout::kV41, Layout::kV41Fp4}) {
+    const PoolGeometry g{layout, page_size, 1024};
+    DeviceBuffer pool(g.pool_bytes());
+    for (int64_t n : {1, 2, 8, 16, 32, 64, 128, 256, 512, 1024, 2048}) {
+      DeviceBuffer d_locs(testing::ScatteredLocations(n, g.num_tokens(), 3));
+      const int64_t* locs = d_locs.as<int64_t>();
+      std::printf("| %s | %lld | %.3f", LayoutName(layout), static_cast<long long>(n),
+                  GraphLaunchUs(reps, 200, [&](cudaStream_t s) {
+                    Ok(cuda::QuantizeStore({g, rows, locs, n, pool.as<uint8_t>()}, s));
+                  }));
+      for (const auto& [chunks, threads] : kShapes) {
+        std::printf(" | %.3f", GraphLaunchUs(reps, 200, [&](cudaStream_t s) {
+          switch (layout) {
+            case Layout::kV4: return LaunchShape<Layout::kV4>(chunks, threads, g, rows, locs, n, pool.as<uint8_t>(), s);
+            case Layout::kV41: return LaunchShape<Layout::kV41>(chunks, threads, g, rows, locs, n, pool.as<uint8_t>(), s);
+            case Layout::kV41Fp4: return LaunchShape<Layout::kV41Fp4>(chunks, threads, g, rows, locs, n, pool.as<uint8_t>(), s);
+          }
+        }));
+      }
+      std::printf(" |\n");
+    }
+  }
+  std::printf("\n");
+}
+
 int Main(int argc, char** argv) {
   int64_t tokens = 1 << 20;
   int reps = 30;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--tokens")) tokens = std::atoll(argv[i + 1]);
-    if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
+  bool shapes = false;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--shapes")) shapes = true;
+    if (i + 1 < argc && !std::strcmp(argv[i], "--tokens")) tokens = std::atoll(argv[++i]);
+    if (i + 1 < argc && !std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[++i]);
   }
   cudaDeviceProp prop;
   CudaCheck(cudaGetDeviceProperties(&prop, 0), "device");
   std::printf("device: %s, %d SMs, L2 %d MiB\n\n", prop.name, prop.multiProcessorCount,
               prop.l2CacheSize >> 20);
+  const int page_size = 64;
+
+  // Latency first, on a quiet GPU: a CUDA graph of 200 launches replayed `reps` times, the
+  // median replay / 200; the median of three such rounds, interleaved over the layouts.
+  {
+    const auto latency_rows = testing::RandomRows(4096, 1);
+    DeviceBuffer d_latency_rows(latency_rows);
+    const int64_t sizes[] = {1, 8, 64, 512};
+    const Layout layouts[] = {Layout::kV4, Layout::kV41, Layout::kV41Fp4};
+    std::vector<double> us[3][4];
+    for (int round = 0; round < 3; ++round) {
+      for (int l = 0; l < 3; ++l) {
+        const PoolGeometry g{layouts[l], page_size, 1024};
+        DeviceBuffer pool(g.pool_bytes());
+        for (int i = 0; i < 4; ++i) {
+          const int64_t n = sizes[i];
+          DeviceBuffer d_small(testing::ScatteredLocations(n, g.num_tokens(), 3));
+          us[l][i].push_back(GraphLaunchUs(reps, 200, [&](cudaStream_t s) {
+            Ok(cuda::QuantizeStore({g, d_latency_rows.as<uint16_t>(), d_small.as<int64_t>(), n,
+                                    pool.as<uint8_t>()}, s));
+          }));
+        }
+      }
+    }
+    std::printf("| quantize-store latency (graph replay, per launch) | layout | 1 | 8 | 64 | 512 tokens |\n|---|---|---|---|---|---|\n");
+    for (int l = 0; l < 3; ++l) {
+      std::printf("| µs | %s", LayoutName(layouts[l]));
+      for (int i = 0; i < 4; ++i) {
+        std::sort(us[l][i].begin(), us[l][i].end());
+        std::printf(" | %.2f", us[l][i][1]);
+      }
+      std::printf(" |\n");
+    }
+    std::printf("| launch shape | - |");
+    for (int64_t n : sizes) {
+      const auto shape = cuda::detail::ChooseQuantizeShape(n);
+      std::printf(" %d chunk(s)/thread, %d threads/block |", shape.chunks, shape.threads);
+    }
+    std::printf("\n\n");
+    if (shapes) ShapeSweep(reps, d_latency_rows.as<uint16_t>(), page_size);
+  }
 
   // Ceiling: device-to-device copy of 1 GiB (bytes read + written per second).
   const double ceiling = bench::CopyBandwidth(reps) / 1e9;
   std::printf("| figure | layout | value | ceiling | fraction |\n|---|---|---|---|---|\n");
   std::printf("| D2D copy 1 GiB (read+write) | - | %.0f GB/s | - | - |\n", ceiling);
 
-  const int page_size = 64;
   const auto host_rows = testing::RandomRows(4096, 1);
   std::vector<uint16_t> rows(tokens * kHeadDim);
   for (int64_t t = 0; t < tokens; ++t) {
@@ -101,23 +186,6 @@ int Main(int argc, char** argv) {
                   (long long)tokens, order, LayoutName(layout), t_gbs, tokens / (t_ms * 1e-3) / 1e9,
                   ceiling, 100.0 * t_gbs / ceiling);
     }
-  }
-
-  std::printf("\n| quantize-store latency (graph replay, per launch) | layout | 1 | 8 | 64 | 512 tokens |\n|---|---|---|---|---|---|\n");
-  for (Layout layout : {Layout::kV4, Layout::kV41, Layout::kV41Fp4}) {
-    const PoolGeometry g{layout, page_size, 1024};
-    DeviceBuffer pool(g.pool_bytes());
-    std::printf("| µs | %s", LayoutName(layout));
-    for (int64_t n : {1, 8, 64, 512}) {
-      const auto small_locs = testing::ScatteredLocations(n, g.num_tokens(), 3);
-      DeviceBuffer d_small(small_locs);
-      const double us = GraphLaunchUs(reps, 200, [&](cudaStream_t s) {
-        Ok(cuda::QuantizeStore({g, d_rows.as<uint16_t>(), d_small.as<int64_t>(), n,
-                                pool.as<uint8_t>()}, s));
-      });
-      std::printf(" | %.2f", us);
-    }
-    std::printf(" |\n");
   }
 
   // Page gather: 4096 V4 pages of 64 tokens, 1 layer, to device and to pinned host memory.
