@@ -12,6 +12,7 @@
 #include <functional>
 #include <numeric>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/cuda_testing.h"
@@ -37,37 +38,42 @@ using bench::GraphLaunchUs;
 using bench::MedianMs;
 
 // Quantize-store latency of every launch shape (one chunk per thread at 32..256 threads per
-// block, a warp per token at 256) against the shape ChooseQuantizeShape picks, in µs.
+// block, a warp per token at 256) against the shape ChooseQuantizeShape picks, in µs. The
+// alternatives use the chosen shape's early-launch setting.
 template <Layout L>
-void LaunchShape(int chunks, int threads, const PoolGeometry& g, const uint16_t* rows,
+void LaunchShape(int chunks, int threads, bool early, const PoolGeometry& g, const uint16_t* rows,
                  const int64_t* locs, int64_t n, uint8_t* pool, cudaStream_t stream) {
   const int64_t blocks = (n * (kHeadDim / 8 / chunks) + threads - 1) / threads;
   Ok(cuda::detail::LaunchKernel(chunks == 1 ? cuda::detail::QuantizeStoreKernel<L, 6, 1>
                                             : cuda::detail::QuantizeStoreKernel<L, 6, 2>,
                                 blocks, threads, stream, "QuantizeStoreKernel", rows, locs, n,
-                                g.num_tokens(), pool));
+                                g.num_tokens(), pool, early));
 }
 
 void ShapeSweep(int reps, const uint16_t* rows, int page_size) {
   if (page_size != 64) return;  // the sweep instantiates page size 64 only
-  const std::pair<int, int> kShapes[] = {{1, 32}, {1, 64}, {1, 128}, {1, 256}, {2, 256}};
-  std::printf("| quantize-store µs by launch shape | tokens | chosen | 1 chunk, 32 thr | 64 | 128 | 256 | 2 chunks, 256 thr |\n|---|---|---|---|---|---|---|---|\n");
+  std::printf("| quantize-store µs by launch shape | tokens | chosen | chosen, early launch flipped | 1 chunk, 32 thr | 64 | 128 | 256 | 2 chunks, 256 thr |\n|---|---|---|---|---|---|---|---|---|\n");
   for (Layout layout : {Layout::kV4, Layout::kV41, Layout::kV41Fp4}) {
     const PoolGeometry g{layout, page_size, 1024};
     DeviceBuffer pool(g.pool_bytes());
     for (int64_t n : {1, 2, 8, 16, 32, 64, 128, 256, 512, 1024, 2048}) {
       DeviceBuffer d_locs(testing::ScatteredLocations(n, g.num_tokens(), 3));
       const int64_t* locs = d_locs.as<int64_t>();
+      const auto chosen = cuda::detail::ChooseQuantizeShape(n);
       std::printf("| %s | %lld | %.3f", LayoutName(layout), static_cast<long long>(n),
                   GraphLaunchUs(reps, 200, [&](cudaStream_t s) {
                     Ok(cuda::QuantizeStore({g, rows, locs, n, pool.as<uint8_t>()}, s));
                   }));
-      for (const auto& [chunks, threads] : kShapes) {
+      const std::tuple<int, int, bool> shapes[] = {
+          {chosen.chunks, chosen.threads, !chosen.early_launch}, {1, 32, chosen.early_launch},
+          {1, 64, chosen.early_launch}, {1, 128, chosen.early_launch},
+          {1, 256, chosen.early_launch}, {2, 256, chosen.early_launch}};
+      for (const auto& [chunks, threads, early] : shapes) {
         std::printf(" | %.3f", GraphLaunchUs(reps, 200, [&](cudaStream_t s) {
           switch (layout) {
-            case Layout::kV4: return LaunchShape<Layout::kV4>(chunks, threads, g, rows, locs, n, pool.as<uint8_t>(), s);
-            case Layout::kV41: return LaunchShape<Layout::kV41>(chunks, threads, g, rows, locs, n, pool.as<uint8_t>(), s);
-            case Layout::kV41Fp4: return LaunchShape<Layout::kV41Fp4>(chunks, threads, g, rows, locs, n, pool.as<uint8_t>(), s);
+            case Layout::kV4: return LaunchShape<Layout::kV4>(chunks, threads, early, g, rows, locs, n, pool.as<uint8_t>(), s);
+            case Layout::kV41: return LaunchShape<Layout::kV41>(chunks, threads, early, g, rows, locs, n, pool.as<uint8_t>(), s);
+            case Layout::kV41Fp4: return LaunchShape<Layout::kV41Fp4>(chunks, threads, early, g, rows, locs, n, pool.as<uint8_t>(), s);
           }
         }));
       }
@@ -93,23 +99,26 @@ int Main(int argc, char** argv) {
   const int page_size = 64;
 
   // Latency first, on a quiet GPU: a CUDA graph of 200 launches replayed `reps` times, the
-  // median replay / 200; the median of three such rounds, interleaved over the layouts.
+  // median replay / 200. A launch of a few tokens touches a few L2 lines, and how far their
+  // L2 slices are from the SM moves it by a few hundredths of a µs; so each figure is the
+  // median over 5 rounds, each with its own locations and rows, interleaved over the layouts.
   {
     const auto latency_rows = testing::RandomRows(4096, 1);
     DeviceBuffer d_latency_rows(latency_rows);
     const int64_t sizes[] = {1, 8, 64, 512};
     const Layout layouts[] = {Layout::kV4, Layout::kV41, Layout::kV41Fp4};
+    constexpr int kRounds = 5;
     std::vector<double> us[3][4];
-    for (int round = 0; round < 3; ++round) {
+    for (int round = 0; round < kRounds; ++round) {
       for (int l = 0; l < 3; ++l) {
         const PoolGeometry g{layouts[l], page_size, 1024};
         DeviceBuffer pool(g.pool_bytes());
         for (int i = 0; i < 4; ++i) {
           const int64_t n = sizes[i];
-          DeviceBuffer d_small(testing::ScatteredLocations(n, g.num_tokens(), 3));
+          DeviceBuffer d_small(testing::ScatteredLocations(n, g.num_tokens(), 3 + round));
+          const uint16_t* round_rows = d_latency_rows.as<uint16_t>() + round * n * kHeadDim;
           us[l][i].push_back(GraphLaunchUs(reps, 200, [&](cudaStream_t s) {
-            Ok(cuda::QuantizeStore({g, d_latency_rows.as<uint16_t>(), d_small.as<int64_t>(), n,
-                                    pool.as<uint8_t>()}, s));
+            Ok(cuda::QuantizeStore({g, round_rows, d_small.as<int64_t>(), n, pool.as<uint8_t>()}, s));
           }));
         }
       }
@@ -119,14 +128,15 @@ int Main(int argc, char** argv) {
       std::printf("| µs | %s", LayoutName(layouts[l]));
       for (int i = 0; i < 4; ++i) {
         std::sort(us[l][i].begin(), us[l][i].end());
-        std::printf(" | %.2f", us[l][i][1]);
+        std::printf(" | %.2f (%.2f–%.2f)", us[l][i][kRounds / 2], us[l][i].front(), us[l][i].back());
       }
       std::printf(" |\n");
     }
     std::printf("| launch shape | - |");
     for (int64_t n : sizes) {
       const auto shape = cuda::detail::ChooseQuantizeShape(n);
-      std::printf(" %d chunk(s)/thread, %d threads/block |", shape.chunks, shape.threads);
+      std::printf(" %d chunk(s)/thread, %d threads/block%s |", shape.chunks, shape.threads,
+                  shape.early_launch ? ", early launch" : "");
     }
     std::printf("\n\n");
     if (shapes) ShapeSweep(reps, d_latency_rows.as<uint16_t>(), page_size);

@@ -13,9 +13,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     QuantizeStoreKernel(const uint16_t* __restrict__ rows,  // [n, 512] bf16
                         const int64_t* __restrict__ locs,   // [n]
                         int64_t num_tokens, int64_t pool_tokens,
-                        uint8_t* __restrict__ pool) {
+                        uint8_t* __restrict__ pool, bool early_launch) {
   int t;
-  const int64_t token = ThreadToken<kChunks>(t);
+  const int64_t token = ThreadToken<kChunks>(t, early_launch);
   if (token >= num_tokens) return;
   const uint16_t* row = rows + token * kHeadDim;
   // The row loads do not depend on the location: issue them all before any is used.
@@ -45,10 +45,12 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   }
 }
 
-// Launch shape for n tokens: chunks per thread and threads per block.
+// Launch shape for n tokens: chunks per thread, threads per block, and whether the next
+// grid may launch early (see ThreadToken).
 struct QuantizeShape {
   int chunks;
   int threads;
+  bool early_launch;
 };
 
 // Up to kSmallLaunchTokens tokens, one chunk per thread (64 threads per token) halves each
@@ -59,11 +61,14 @@ struct QuantizeShape {
 inline constexpr int64_t kSmallLaunchTokens = 1024;
 
 inline QuantizeShape ChooseQuantizeShape(int64_t num_tokens) {
-  if (num_tokens > kSmallLaunchTokens) return {2, kThreadsPerBlock};
-  if (num_tokens == 1) return {1, 64};
-  const int64_t pow2 = std::bit_ceil(static_cast<uint64_t>(num_tokens));
-  const int64_t threads = num_tokens <= 16 ? pow2 * 16 : pow2 / 2;  // 4 or 128 blocks
-  return {1, static_cast<int>(std::clamp<int64_t>(threads, kWarp, kThreadsPerBlock))};
+  if (num_tokens > kSmallLaunchTokens) return {2, kThreadsPerBlock, false};
+  int64_t threads = 64;
+  if (num_tokens > 1) {
+    const int64_t pow2 = std::bit_ceil(static_cast<uint64_t>(num_tokens));
+    threads = std::clamp<int64_t>(num_tokens <= 16 ? pow2 * 16 : pow2 / 2,  // 4 or 128 blocks
+                                  kWarp, kThreadsPerBlock);
+  }
+  return {1, static_cast<int>(threads), threads <= 2 * kWarp};
 }
 
 template <Layout L>
@@ -76,7 +81,7 @@ absl::Status LaunchQuantizeStore(const QuantizeStoreParams& p, cudaStream_t stre
     return LaunchKernel(shape.chunks == 1 ? QuantizeStoreKernel<L, kLog2Page, 1>
                                           : QuantizeStoreKernel<L, kLog2Page, 2>,
                         blocks, shape.threads, stream, "QuantizeStoreKernel", p.rows, p.locs,
-                        p.num_tokens, p.geometry.num_tokens(), p.pool);
+                        p.num_tokens, p.geometry.num_tokens(), p.pool, shape.early_launch);
   });
 }
 

@@ -444,10 +444,20 @@ absl::Status LaunchKernel(void (*kernel)(KernelArgs...), int64_t blocks, int thr
 // The token of the calling thread and its index t among the token's 64 / kChunks threads,
 // after the PDL handshake. Tokens are numbered by global thread index, so a block may hold
 // several tokens or part of one (blockDim.x a multiple of 32: a warp never splits a tile).
+//
+// With `early_launch` the next grid may launch before this one's prerequisite has finished
+// (its own wait still holds it until this grid completes). On the H200 that shortens
+// launches of blocks of one or two warps (a one-token quantize-store by 0.05 µs) but slows
+// grids of 8-warp blocks, whose waiting successors take their SMs (bench/RESULTS.md).
 template <int kChunks>
-__device__ __forceinline__ int64_t ThreadToken(int& t) {
-  WaitForPrerequisiteGrid();
-  AllowDependentGridLaunch();
+__device__ __forceinline__ int64_t ThreadToken(int& t, bool early_launch = false) {
+  if (early_launch) {
+    AllowDependentGridLaunch();
+    WaitForPrerequisiteGrid();
+  } else {
+    WaitForPrerequisiteGrid();
+    AllowDependentGridLaunch();
+  }
   constexpr int kThreads = RowShare<kChunks>::kThreadsPerToken;
   const int64_t thread = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   t = static_cast<int>(thread & (kThreads - 1));
