@@ -12,23 +12,17 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
                            int64_t num_tokens, int64_t pool_tokens,
                            uint16_t* __restrict__ out,  // [n, out_row_stride] bf16
                            int64_t out_row_stride) {
-  int lane;
-  const int64_t token = ThreadToken<2>(lane);
-  int64_t loc;
-  if (token >= num_tokens || !TokenLocation(locs, token, pool_tokens, loc)) return;
-  int64_t data, scale;
-  Addressing<L, kLog2Page>::Locate(loc, data, scale);
-  RowShare<2> r;
-  LoadRecord<L>(pool + data, pool + scale, lane, r);
-  uint16_t* row = out + token * out_row_stride;
+  TokenRecord rec;
+  if (!ReadTokenRecord<L, kLog2Page>(pool, locs, num_tokens, pool_tokens, rec)) return;
+  uint16_t* row = out + rec.token * out_row_stride;
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
-    uint16_t* dst = row + kChunk * ChunkOf<2>(lane, k);
+    uint16_t* dst = row + kChunk * ChunkOf<2>(rec.lane, k);
     if constexpr (kAlignedOut) {
-      *reinterpret_cast<uint4*>(dst) = JoinBf16(r.bits[k]);
+      *reinterpret_cast<uint4*>(dst) = JoinBf16(rec.row.bits[k]);
     } else {
 #pragma unroll
-      for (int j = 0; j < kChunk; ++j) dst[j] = r.bits[k][j];
+      for (int j = 0; j < kChunk; ++j) dst[j] = rec.row.bits[k][j];
     }
   }
 }

@@ -472,6 +472,31 @@ __device__ __forceinline__ bool TokenLocation(const int64_t* __restrict__ locs, 
   return loc >= 0 && loc < pool_tokens;
 }
 
+// A warp's token (a warp per token), its location and its record read back.
+struct TokenRecord {
+  int64_t token;
+  int lane;
+  int64_t loc;
+  RowShare<2> row;
+};
+
+// Reads the record of the calling warp's token from `pool` (layout L); false when the token
+// is past the end or its location is outside the pool.
+template <Layout L, int kLog2Page>
+__device__ __forceinline__ bool ReadTokenRecord(const uint8_t* __restrict__ pool,
+                                                const int64_t* __restrict__ locs,
+                                                int64_t num_tokens, int64_t pool_tokens,
+                                                TokenRecord& out) {
+  out.token = ThreadToken<2>(out.lane);
+  if (out.token >= num_tokens || !TokenLocation(locs, out.token, pool_tokens, out.loc)) {
+    return false;
+  }
+  int64_t data, scale;
+  Addressing<L, kLog2Page>::Locate(out.loc, data, scale);
+  LoadRecord<L>(pool + data, pool + scale, out.lane, out.row);
+  return true;
+}
+
 inline int64_t BlocksFor(int64_t num_tokens) {
   return (num_tokens + kWarpsPerBlock - 1) / kWarpsPerBlock;
 }

@@ -10,16 +10,11 @@ template <Layout From, Layout To, int kLog2Page>
 __global__ void __launch_bounds__(kThreadsPerBlock)
     TranscodeKernel(const uint8_t* __restrict__ src, const int64_t* __restrict__ locs,
                     int64_t num_tokens, int64_t pool_tokens, uint8_t* __restrict__ dst) {
-  int lane;
-  const int64_t token = ThreadToken<2>(lane);
-  int64_t loc;
-  if (token >= num_tokens || !TokenLocation(locs, token, pool_tokens, loc)) return;
+  TokenRecord rec;
+  if (!ReadTokenRecord<From, kLog2Page>(src, locs, num_tokens, pool_tokens, rec)) return;
   int64_t data, scale;
-  Addressing<From, kLog2Page>::Locate(loc, data, scale);
-  RowShare<2> r;
-  LoadRecord<From>(src + data, src + scale, lane, r);
-  Addressing<To, kLog2Page>::Locate(loc, data, scale);
-  StoreRecord<To>(r, lane, dst + data, dst + scale);
+  Addressing<To, kLog2Page>::Locate(rec.loc, data, scale);
+  StoreRecord<To>(rec.row, rec.lane, dst + data, dst + scale);
 }
 
 template <Layout From, Layout To>
