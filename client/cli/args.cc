@@ -5,6 +5,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "kvferry/kernels/status_macros.h"
 
 namespace kvferry::cli {
 
@@ -39,12 +40,11 @@ absl::StatusOr<std::string> Args::Get(absl::string_view name) const {
 }
 
 absl::StatusOr<int64_t> Args::GetInt(absl::string_view name) const {
-  absl::StatusOr<std::string> text = Get(name);
-  if (!text.ok()) return text.status();
+  KVF_ASSIGN_OR_RETURN(const std::string text, Get(name));
   int64_t value;
-  if (!absl::SimpleAtoi(*text, &value)) {
+  if (!absl::SimpleAtoi(text, &value)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("option --", name, " takes an integer, got '", *text, "'"));
+        absl::StrCat("option --", name, " takes an integer, got '", text, "'"));
   }
   return value;
 }

@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
+#include "kvferry/kernels/status_macros.h"
 
 namespace kvferry::cli {
 
@@ -26,14 +27,13 @@ absl::StatusOr<std::vector<uint8_t>> ReadFileBytes(const std::string& path) {
 template <typename T>
 absl::StatusOr<std::vector<T>> ReadFileArray(const std::string& path) {
   if constexpr (std::is_same_v<T, uint8_t>) return ReadFileBytes(path);
-  absl::StatusOr<std::vector<uint8_t>> bytes = ReadFileBytes(path);
-  if (!bytes.ok()) return bytes.status();
-  if (bytes->size() % sizeof(T) != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(path, " holds ", bytes->size(),
+  KVF_ASSIGN_OR_RETURN(const std::vector<uint8_t> bytes, ReadFileBytes(path));
+  if (bytes.size() % sizeof(T) != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(path, " holds ", bytes.size(),
                                                    " bytes, not a multiple of ", sizeof(T)));
   }
-  std::vector<T> values(bytes->size() / sizeof(T));
-  std::memcpy(values.data(), bytes->data(), bytes->size());
+  std::vector<T> values(bytes.size() / sizeof(T));
+  std::memcpy(values.data(), bytes.data(), bytes.size());
   return values;
 }
 

@@ -9,6 +9,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/match.h"
+#include "kvferry/kernels/status_macros.h"
 
 #if defined(KVFERRY_HAVE_CUDA)
 #include "backend/cuda_backend.h"
@@ -48,11 +49,10 @@ class CpuBackend final : public Backend {
   }
 
   absl::StatusOr<DeviceMemory> Allocate(size_t bytes, bool zero) override {
-    absl::StatusOr<uint64_t> free_bytes = FreeBytes();
-    if (!free_bytes.ok()) return free_bytes.status();
-    if (bytes > *free_bytes) {
+    KVF_ASSIGN_OR_RETURN(const uint64_t free_bytes, FreeBytes());
+    if (bytes > free_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          "cpu: ", bytes, " bytes requested, ", *free_bytes, " bytes of host memory free"));
+          "cpu: ", bytes, " bytes requested, ", free_bytes, " bytes of host memory free"));
     }
     void* ptr = zero ? std::calloc(bytes == 0 ? 1 : bytes, 1) : std::malloc(bytes == 0 ? 1 : bytes);
     if (ptr == nullptr) {

@@ -11,16 +11,12 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "kvferry/kernels/cuda_ops.h"
+#include "kvferry/kernels/status_macros.h"
 
 namespace kvferry::server {
 namespace {
 
 using cuda::CudaStatus;
-
-#define KVF_CUDA_RETURN(expr, what)                               \
-  if (absl::Status _s = CudaStatus((expr), (what)); !_s.ok()) { \
-    return _s;                                                    \
-  }
 
 class CudaBackend final : public Backend {
  public:
@@ -30,21 +26,20 @@ class CudaBackend final : public Backend {
   const std::string& device() const override { return device_; }
 
   absl::StatusOr<uint64_t> FreeBytes() override {
-    KVF_CUDA_RETURN(cudaSetDevice(index_), "cudaSetDevice");
+    KVF_RETURN_IF_ERROR(UseDevice());
     size_t free_bytes = 0, total = 0;
-    KVF_CUDA_RETURN(cudaMemGetInfo(&free_bytes, &total), "cudaMemGetInfo");
+    KVF_RETURN_IF_ERROR(CudaStatus(cudaMemGetInfo(&free_bytes, &total), "cudaMemGetInfo"));
     return free_bytes;
   }
 
   absl::StatusOr<DeviceMemory> Allocate(size_t bytes, bool zero) override {
     void* ptr = TakeCached(bytes);
     if (ptr == nullptr) {
-      absl::StatusOr<uint64_t> free_bytes = FreeBytes();
-      if (!free_bytes.ok()) return free_bytes.status();
-      if (bytes > *free_bytes) DropCache();  // cached blocks may be what is missing
-      if (bytes > *free_bytes + cached_bytes()) {
+      KVF_ASSIGN_OR_RETURN(const uint64_t free_bytes, FreeBytes());
+      if (bytes > free_bytes) DropCache();  // cached blocks may be what is missing
+      if (bytes > free_bytes + cached_bytes()) {
         return absl::ResourceExhaustedError(absl::StrCat(device_, ": ", bytes,
-                                                         " bytes requested, ", *free_bytes,
+                                                         " bytes requested, ", free_bytes,
                                                          " bytes free"));
       }
       const cudaError_t error = cudaMalloc(&ptr, bytes == 0 ? 1 : bytes);
@@ -56,8 +51,9 @@ class CudaBackend final : public Backend {
     }
     DeviceMemory memory(this, ptr, bytes);
     if (zero) {
-      KVF_CUDA_RETURN(cudaMemsetAsync(ptr, 0, bytes, cudaStreamPerThread), "zero-fill");
-      KVF_CUDA_RETURN(cudaStreamSynchronize(cudaStreamPerThread), "zero-fill");
+      KVF_RETURN_IF_ERROR(
+          CudaStatus(cudaMemsetAsync(ptr, 0, bytes, cudaStreamPerThread), "zero-fill"));
+      KVF_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(cudaStreamPerThread), "zero-fill"));
     }
     return memory;
   }
@@ -74,29 +70,30 @@ class CudaBackend final : public Backend {
 
   absl::Status Zero(void* dst, size_t bytes) override {
     if (bytes == 0) return absl::OkStatus();
-    KVF_CUDA_RETURN(cudaSetDevice(index_), "cudaSetDevice");
-    KVF_CUDA_RETURN(cudaMemsetAsync(dst, 0, bytes, cudaStreamPerThread), "cudaMemsetAsync");
+    KVF_RETURN_IF_ERROR(UseDevice());
+    KVF_RETURN_IF_ERROR(
+        CudaStatus(cudaMemsetAsync(dst, 0, bytes, cudaStreamPerThread), "cudaMemsetAsync"));
     return CudaStatus(cudaStreamSynchronize(cudaStreamPerThread), "zero");
   }
 
   absl::Status QuantizeStore(const PoolGeometry& g, uint8_t* pool, const uint16_t* rows,
                              const int64_t* locs, int64_t n) override {
-    KVF_CUDA_RETURN(cudaSetDevice(index_), "cudaSetDevice");
+    KVF_RETURN_IF_ERROR(UseDevice());
     return Finish(cuda::QuantizeStore({g, rows, locs, n, pool}, cudaStreamPerThread));
   }
   absl::Status DequantizeGather(const PoolGeometry& g, const uint8_t* pool, const int64_t* locs,
                                 int64_t n, uint16_t* out) override {
-    KVF_CUDA_RETURN(cudaSetDevice(index_), "cudaSetDevice");
+    KVF_RETURN_IF_ERROR(UseDevice());
     return Finish(cuda::DequantizeGather({g, pool, locs, n, out, kHeadDim}, cudaStreamPerThread));
   }
   absl::Status Transcode(const PoolGeometry& from, const uint8_t* src, const PoolGeometry& to,
                          uint8_t* dst, const int64_t* locs, int64_t n) override {
-    KVF_CUDA_RETURN(cudaSetDevice(index_), "cudaSetDevice");
+    KVF_RETURN_IF_ERROR(UseDevice());
     return Finish(cuda::Transcode({from, src, to, dst, locs, n}, cudaStreamPerThread));
   }
   absl::Status GatherPages(const PageCopyGeometry& g, const uint8_t* pool, const int64_t* pages,
                            int64_t n, uint8_t* buffer) override {
-    KVF_CUDA_RETURN(cudaSetDevice(index_), "cudaSetDevice");
+    KVF_RETURN_IF_ERROR(UseDevice());
     return Finish(cuda::GatherPages({g, const_cast<uint8_t*>(pool), pages, n, buffer},
                                     cudaStreamPerThread));
   }
@@ -152,11 +149,15 @@ class CudaBackend final : public Backend {
     cached_ = 0;
   }
 
+  // Makes this backend's device current on the calling thread.
+  absl::Status UseDevice() { return CudaStatus(cudaSetDevice(index_), "cudaSetDevice"); }
+
   absl::Status Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
     if (bytes == 0) return absl::OkStatus();
-    KVF_CUDA_RETURN(cudaSetDevice(index_), "cudaSetDevice");
-    KVF_CUDA_RETURN(cudaMemcpyAsync(dst, src, bytes, kind, cudaStreamPerThread), "cudaMemcpyAsync");
-    KVF_CUDA_RETURN(cudaStreamSynchronize(cudaStreamPerThread), "copy");
+    KVF_RETURN_IF_ERROR(UseDevice());
+    KVF_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyAsync(dst, src, bytes, kind, cudaStreamPerThread), "cudaMemcpyAsync"));
+    KVF_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(cudaStreamPerThread), "copy"));
     return absl::OkStatus();
   }
 

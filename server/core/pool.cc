@@ -28,10 +28,9 @@ absl::StatusOr<std::shared_ptr<Pool>> Pool::Create(const PoolConfig& config,
     return absl::ResourceExhaustedError(absl::StrCat("a pool of ", config.num_pages, " pages x ",
                                                      config.num_layers, " layers is too large"));
   }
-  absl::StatusOr<DeviceMemory> memory =
-      backend->Allocate(static_cast<size_t>(g.pool_bytes() * config.num_layers));
-  if (!memory.ok()) return memory.status();
-  std::shared_ptr<Pool> pool(new Pool(config, std::move(backend), observer, std::move(*memory)));
+  KVF_ASSIGN_OR_RETURN(DeviceMemory memory,
+                       backend->Allocate(static_cast<size_t>(g.pool_bytes() * config.num_layers)));
+  std::shared_ptr<Pool> pool(new Pool(config, std::move(backend), observer, std::move(memory)));
   pool->self_ = pool;
   return pool;
 }
@@ -125,7 +124,6 @@ absl::Status Pool::FreePages(std::span<const PageHandle> pages) {
       return absl::InvalidArgumentError(absl::StrCat("page ", h.page_id, " is listed twice"));
     }
   }
-  const int64_t tokens = config_.num_pages * config_.page_size;
   for (const PageHandle& h : pages) {
     const int64_t page = static_cast<int64_t>(h.page_id);
     for (int64_t t = page * config_.page_size; t < (page + 1) * config_.page_size; ++t) {
@@ -133,7 +131,7 @@ absl::Status Pool::FreePages(std::span<const PageHandle> pages) {
       records_held_ -= slot_layers_[t];
       slot_layers_[t] = 0;
       for (int layer = 0; layer < config_.num_layers; ++layer) {
-        const int64_t bit = layer * tokens + t;
+        const int64_t bit = WrittenBit(layer, t);
         written_[bit / 64] &= ~(uint64_t{1} << (bit % 64));
       }
     }
@@ -145,7 +143,7 @@ absl::Status Pool::FreePages(std::span<const PageHandle> pages) {
 }
 
 void Pool::MarkWritten(int layer, int64_t token) {
-  const int64_t bit = layer * config_.num_pages * config_.page_size + token;
+  const int64_t bit = WrittenBit(layer, token);
   uint64_t& word = written_[bit / 64];
   const uint64_t mask = uint64_t{1} << (bit % 64);
   if (word & mask) return;
@@ -155,7 +153,7 @@ void Pool::MarkWritten(int layer, int64_t token) {
 }
 
 bool Pool::IsWritten(int layer, int64_t token) const {
-  const int64_t bit = layer * config_.num_pages * config_.page_size + token;
+  const int64_t bit = WrittenBit(layer, token);
   return (written_[bit / 64] >> (bit % 64)) & 1;
 }
 
@@ -207,9 +205,7 @@ absl::Status Pool::TokenWrite::Add(std::span<const TokenLocation> locations,
   std::vector<int64_t> tokens;
   {
     absl::ReaderMutexLock lock(&pool_->mu_);
-    absl::StatusOr<std::vector<int64_t>> resolved = pool_->Resolve(locations);
-    if (!resolved.ok()) return resolved.status();
-    tokens = std::move(*resolved);
+    KVF_ASSIGN_OR_RETURN(tokens, pool_->Resolve(locations));
   }
   for (int64_t i = 0; i < n; ++i) {
     if (!seen_.insert(tokens[i]).second) {
@@ -223,15 +219,10 @@ absl::Status Pool::TokenWrite::Add(std::span<const TokenLocation> locations,
   Chunk chunk;
   chunk.n = n;
   if (n > 0) {
-    absl::StatusOr<DeviceMemory> d_rows = pool_->backend_->Allocate(rows.size(), /*zero=*/false);
-    if (!d_rows.ok()) return d_rows.status();
-    absl::StatusOr<DeviceMemory> d_locs =
-        pool_->backend_->Allocate(n * sizeof(int64_t), /*zero=*/false);
-    if (!d_locs.ok()) return d_locs.status();
-    KVF_RETURN_IF_ERROR(pool_->backend_->CopyToDevice(d_rows->get(), rows.data(), rows.size()));
-    KVF_RETURN_IF_ERROR(pool_->backend_->CopyToDevice(d_locs->get(), tokens.data(), n * sizeof(int64_t)));
-    chunk.rows = std::move(*d_rows);
-    chunk.locs = std::move(*d_locs);
+    KVF_ASSIGN_OR_RETURN(chunk.rows, pool_->backend_->Allocate(rows.size(), /*zero=*/false));
+    KVF_ASSIGN_OR_RETURN(chunk.locs, pool_->backend_->Allocate(n * sizeof(int64_t), /*zero=*/false));
+    KVF_RETURN_IF_ERROR(pool_->backend_->CopyToDevice(chunk.rows.get(), rows.data(), rows.size()));
+    KVF_RETURN_IF_ERROR(pool_->backend_->CopyToDevice(chunk.locs.get(), tokens.data(), n * sizeof(int64_t)));
   }
   chunk.host_locs = std::move(tokens);
   chunks_.push_back(std::move(chunk));
@@ -279,9 +270,8 @@ absl::Status Pool::PageWrite::Add(const PageHandle& page, int layer, uint64_t of
       return absl::ResourceExhaustedError(absl::StrCat("write of more than ", max_bytes_,
                                                        " bytes; split it into several writes"));
     }
-    absl::StatusOr<DeviceMemory> staging = pool.backend_->Allocate(page_bytes, /*zero=*/false);
-    if (!staging.ok()) return staging.status();
-    pages_.push_back(Staged{page, layer, std::move(*staging), 0});
+    KVF_ASSIGN_OR_RETURN(DeviceMemory staging, pool.backend_->Allocate(page_bytes, /*zero=*/false));
+    pages_.push_back(Staged{page, layer, std::move(staging), 0});
     staged_bytes_ += static_cast<int64_t>(page_bytes);
   }
   Staged& staged = pages_[it->second];
@@ -341,8 +331,8 @@ absl::Status SendPipelined(int64_t batches,
   if (batches <= 1) {
     std::string buffer;
     for (int64_t i = 0; i < batches; ++i) {
-      if (absl::Status s = produce(i, buffer); !s.ok()) return s;
-      if (absl::Status s = send(buffer); !s.ok()) return s;
+      KVF_RETURN_IF_ERROR(produce(i, buffer));
+      KVF_RETURN_IF_ERROR(send(buffer));
     }
     return absl::OkStatus();
   }
@@ -425,20 +415,13 @@ absl::Status Pool::ReadPages(std::span<const PageHandle> pages, std::span<const 
   const int64_t batch = std::clamp<int64_t>(chunk_bytes / std::max<int64_t>(per_page, 1), 1,
                                             std::max<int64_t>(1, static_cast<int64_t>(pages.size())));
   // Device scratch for one batch: the gathered pages, the transcoded pages, locations.
-  absl::StatusOr<DeviceMemory> gathered = backend_->Allocate(batch * in_page, /*zero=*/false);
-  if (!gathered.ok()) return gathered.status();
-  DeviceMemory converted, locs, page_ids;
+  KVF_ASSIGN_OR_RETURN(DeviceMemory gathered, backend_->Allocate(batch * in_page, /*zero=*/false));
+  DeviceMemory converted, locs;
   if (transcode) {
-    absl::StatusOr<DeviceMemory> c = backend_->Allocate(batch * out_page);
-    if (!c.ok()) return c.status();
-    converted = std::move(*c);
-    absl::StatusOr<DeviceMemory> l = backend_->Allocate(batch * config_.page_size * sizeof(int64_t));
-    if (!l.ok()) return l.status();
-    locs = std::move(*l);
+    KVF_ASSIGN_OR_RETURN(converted, backend_->Allocate(batch * out_page));
+    KVF_ASSIGN_OR_RETURN(locs, backend_->Allocate(batch * config_.page_size * sizeof(int64_t)));
   }
-  absl::StatusOr<DeviceMemory> ids = backend_->Allocate(batch * sizeof(int64_t));
-  if (!ids.ok()) return ids.status();
-  page_ids = std::move(*ids);
+  KVF_ASSIGN_OR_RETURN(DeviceMemory page_ids, backend_->Allocate(batch * sizeof(int64_t)));
 
   // [layer][page][out_page] staging, needed only to reorder several layers.
   std::vector<uint8_t> host(layers.size() > 1 ? batch * per_page : 0);
@@ -459,9 +442,9 @@ absl::Status Pool::ReadPages(std::span<const PageHandle> pages, std::span<const 
       KVF_RETURN_IF_ERROR(Timed("gather_pages", config_.layout, [&] {
         return backend_->GatherPages(PageCopyGeometry{in_page, config_.num_pages, 1},
                                      layer_base(layer), page_ids.get<int64_t>(), n,
-                                     gathered->get());
+                                     gathered.get());
       }));
-      const uint8_t* result = gathered->get();
+      const uint8_t* result = gathered.get();
       if (transcode) {
         std::vector<int64_t> written;
         for (int64_t i = 0; i < n; ++i) {
@@ -477,7 +460,7 @@ absl::Status Pool::ReadPages(std::span<const PageHandle> pages, std::span<const 
                                                      written.size() * sizeof(int64_t)));
           KVF_RETURN_IF_ERROR(Timed("transcode", config_.layout, [&] {
             return backend_->Transcode(PoolGeometry{config_.layout, config_.page_size, n},
-                                       gathered->get(),
+                                       gathered.get(),
                                        PoolGeometry{out_layout, config_.page_size, n},
                                        converted.get(), locs.get<int64_t>(),
                                        static_cast<int64_t>(written.size()));
@@ -517,29 +500,27 @@ absl::Status Pool::ReadWorkspace(int layer, std::span<const TokenLocation> locat
   KVF_RETURN_IF_ERROR(CheckLayer(layer));
   {
     absl::ReaderMutexLock lock(&mu_);
-    absl::StatusOr<std::vector<int64_t>> all = Resolve(locations);
-    if (!all.ok()) return all.status();
+    KVF_RETURN_IF_ERROR(Resolve(locations).status());
   }
   const int64_t total = static_cast<int64_t>(locations.size());
   const int64_t batch = std::clamp<int64_t>(chunk_rows, 1, std::max<int64_t>(total, 1));
-  absl::StatusOr<DeviceMemory> d_locs = backend_->Allocate(batch * sizeof(int64_t), /*zero=*/false);
-  if (!d_locs.ok()) return d_locs.status();
-  absl::StatusOr<DeviceMemory> d_out = backend_->Allocate(batch * kBf16RowBytes, /*zero=*/false);
-  if (!d_out.ok()) return d_out.status();
+  KVF_ASSIGN_OR_RETURN(DeviceMemory d_locs,
+                       backend_->Allocate(batch * sizeof(int64_t), /*zero=*/false));
+  KVF_ASSIGN_OR_RETURN(DeviceMemory d_out,
+                       backend_->Allocate(batch * kBf16RowBytes, /*zero=*/false));
   const PoolGeometry g = geometry();
   auto produce = [&](int64_t index, std::string& rows) -> absl::Status {
     const int64_t first = index * batch;
     const int64_t n = std::min(batch, total - first);
     rows.resize(n * kBf16RowBytes);
     absl::ReaderMutexLock lock(&mu_);
-    absl::StatusOr<std::vector<int64_t>> tokens = Resolve(locations.subspan(first, n));
-    if (!tokens.ok()) return tokens.status();
-    KVF_RETURN_IF_ERROR(backend_->CopyToDevice(d_locs->get(), tokens->data(), n * sizeof(int64_t)));
+    KVF_ASSIGN_OR_RETURN(const std::vector<int64_t> tokens, Resolve(locations.subspan(first, n)));
+    KVF_RETURN_IF_ERROR(backend_->CopyToDevice(d_locs.get(), tokens.data(), n * sizeof(int64_t)));
     KVF_RETURN_IF_ERROR(Timed("dequantize_gather", g.layout, [&] {
-      return backend_->DequantizeGather(g, layer_base(layer), d_locs->get<int64_t>(), n,
-                                        d_out->get<uint16_t>());
+      return backend_->DequantizeGather(g, layer_base(layer), d_locs.get<int64_t>(), n,
+                                        d_out.get<uint16_t>());
     }));
-    return backend_->CopyToHost(rows.data(), d_out->get(), rows.size());
+    return backend_->CopyToHost(rows.data(), d_out.get(), rows.size());
   };
   return SendPipelined((total + batch - 1) / batch, produce, sink);
 }

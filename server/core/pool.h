@@ -168,6 +168,10 @@ class Pool {
   // Token indices of the locations (handles and slots checked).
   absl::StatusOr<std::vector<int64_t>> Resolve(std::span<const TokenLocation> locations) const
       ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Index of (layer, token) in written_.
+  int64_t WrittenBit(int layer, int64_t token) const {
+    return layer * geometry().num_tokens() + token;
+  }
   void MarkWritten(int layer, int64_t token) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool IsWritten(int layer, int64_t token) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Runs a backend op, reporting its duration.

@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "kvferry/kernels/status_macros.h"
 
 namespace kvferry::server {
 namespace {
@@ -26,26 +27,24 @@ absl::Status ValidateName(const std::string& name) {
 absl::StatusOr<std::shared_ptr<Backend>> PoolManager::BackendFor(const std::string& device) {
   auto it = backends_.find(device);
   if (it != backends_.end()) return it->second;
-  absl::StatusOr<std::shared_ptr<Backend>> backend = MakeBackend(device);
-  if (!backend.ok()) return backend.status();
-  backends_[device] = *backend;
-  return *backend;
+  KVF_ASSIGN_OR_RETURN(std::shared_ptr<Backend> backend, MakeBackend(device));
+  backends_[device] = backend;
+  return backend;
 }
 
 absl::StatusOr<std::shared_ptr<Pool>> PoolManager::Create(PoolConfig config,
                                                           const std::string& device) {
-  if (absl::Status s = ValidateName(config.name); !s.ok()) return s;
+  KVF_RETURN_IF_ERROR(ValidateName(config.name));
   absl::MutexLock lock(&mu_);
   if (pools_.contains(config.name)) {
     return absl::AlreadyExistsError(absl::StrCat("pool '", config.name, "' already exists"));
   }
-  absl::StatusOr<std::shared_ptr<Backend>> backend =
-      BackendFor(device.empty() ? options_.default_device : device);
-  if (!backend.ok()) return backend.status();
-  absl::StatusOr<std::shared_ptr<Pool>> pool = Pool::Create(config, *backend, options_.observer);
-  if (!pool.ok()) return pool.status();
-  pools_[config.name] = *pool;
-  return *pool;
+  KVF_ASSIGN_OR_RETURN(std::shared_ptr<Backend> backend,
+                       BackendFor(device.empty() ? options_.default_device : device));
+  KVF_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool,
+                       Pool::Create(config, std::move(backend), options_.observer));
+  pools_[config.name] = pool;
+  return pool;
 }
 
 absl::StatusOr<std::shared_ptr<Pool>> PoolManager::Get(const std::string& name) const {

@@ -9,6 +9,7 @@
 #include <functional>
 
 #include "absl/strings/str_cat.h"
+#include "kvferry/kernels/status_macros.h"
 #include "log.h"
 
 namespace kvferry::server {
@@ -233,17 +234,13 @@ absl::StatusOr<int64_t> StagedWrite(
     if (context->IsCancelled()) return ClientGone(context);
     *received += msg.ByteSizeLong();
     if (!write) {
-      absl::StatusOr<std::shared_ptr<Pool>> p = pools->Get(msg.pool());
-      if (!p.ok()) return p.status();
-      pool = *p;
-      absl::StatusOr<std::unique_ptr<Write>> w = begin(msg, *pool);
-      if (!w.ok()) return w.status();
-      write = std::move(*w);
+      KVF_ASSIGN_OR_RETURN(pool, pools->Get(msg.pool()));
+      KVF_ASSIGN_OR_RETURN(write, begin(msg, *pool));
     } else if (!msg.pool().empty() && msg.pool() != pool->config().name) {
       return absl::InvalidArgumentError(absl::StrCat("one write goes to one pool: '", msg.pool(),
                                                      "' after '", pool->config().name, "'"));
     }
-    if (absl::Status s = add(*write, msg); !s.ok()) return s;
+    KVF_RETURN_IF_ERROR(add(*write, msg));
   }
   if (context->IsCancelled()) return ClientGone(context);
   if (!write) return absl::InvalidArgumentError("empty write: no messages");
@@ -279,11 +276,10 @@ grpc::Status KvFerryService::WritePages(ServerContext* context,
       context, reader, pools_,
       [&](const v1::WritePagesRequest& first,
           Pool& pool) -> absl::StatusOr<std::unique_ptr<Pool::PageWrite>> {
-        absl::StatusOr<Layout> layout = FromProto(first.layout());
-        if (!layout.ok()) return layout.status();
-        if (*layout != pool.config().layout) {
+        KVF_ASSIGN_OR_RETURN(const Layout layout, FromProto(first.layout()));
+        if (layout != pool.config().layout) {
           return absl::FailedPreconditionError(absl::StrCat(
-              "layout mismatch: pages are ", LayoutName(*layout), ", pool '", pool.config().name,
+              "layout mismatch: pages are ", LayoutName(layout), ", pool '", pool.config().name,
               "' holds ", LayoutName(pool.config().layout)));
         }
         return pool.BeginPageWrite(options_.max_write_bytes);
