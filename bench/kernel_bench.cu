@@ -12,14 +12,13 @@
 #include <functional>
 #include <numeric>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "common/cuda_testing.h"
 #include "cuda_timing.h"
 #include "common/random_rows.h"
 #include "kvferry/kernels/cuda_ops.h"
-#include "quantize_store.cuh"
+#include "record.cuh"
 
 namespace kvferry {
 namespace {
@@ -40,41 +39,29 @@ using bench::MedianMs;
 // Quantize-store latency of every launch shape (one chunk per thread at 32..256 threads per
 // block, a warp per token at 256) against the shape ChooseQuantizeShape picks, in µs. The
 // alternatives use the chosen shape's early-launch setting.
-template <Layout L>
-void LaunchShape(int chunks, int threads, bool early, const PoolGeometry& g, const uint16_t* rows,
-                 const int64_t* locs, int64_t n, uint8_t* pool, cudaStream_t stream) {
-  const int64_t blocks = (n * (kHeadDim / 8 / chunks) + threads - 1) / threads;
-  Ok(cuda::detail::LaunchKernel(chunks == 1 ? cuda::detail::QuantizeStoreKernel<L, 6, 1>
-                                            : cuda::detail::QuantizeStoreKernel<L, 6, 2>,
-                                blocks, threads, stream, "QuantizeStoreKernel", rows, locs, n,
-                                g.num_tokens(), pool, early));
-}
-
 void ShapeSweep(int reps, const uint16_t* rows, int page_size) {
-  if (page_size != 64) return;  // the sweep instantiates page size 64 only
+  using cuda::detail::QuantizeShape;
   std::printf("| quantize-store µs by launch shape | tokens | chosen | chosen, early launch flipped | 1 chunk, 32 thr | 64 | 128 | 256 | 2 chunks, 256 thr |\n|---|---|---|---|---|---|---|---|---|\n");
   for (Layout layout : {Layout::kV4, Layout::kV41, Layout::kV41Fp4}) {
     const PoolGeometry g{layout, page_size, 1024};
     DeviceBuffer pool(g.pool_bytes());
     for (int64_t n : {1, 2, 8, 16, 32, 64, 128, 256, 512, 1024, 2048}) {
       DeviceBuffer d_locs(testing::ScatteredLocations(n, g.num_tokens(), 3));
-      const int64_t* locs = d_locs.as<int64_t>();
-      const auto chosen = cuda::detail::ChooseQuantizeShape(n);
+      const cuda::QuantizeStoreParams params{g, rows, d_locs.as<int64_t>(), n, pool.as<uint8_t>()};
+      const QuantizeShape chosen = cuda::detail::ChooseQuantizeShape(n);
+      const bool early = chosen.early_launch;
+      const QuantizeShape shapes[] = {{chosen.chunks, chosen.threads, !early},
+                                      {1, 32, early},  {1, 64, early},  {1, 128, early},
+                                      {1, 256, early}, {2, 256, early}};
       std::printf("| %s | %lld | %.3f", LayoutName(layout), static_cast<long long>(n),
                   GraphLaunchUs(reps, 200, [&](cudaStream_t s) {
-                    Ok(cuda::QuantizeStore({g, rows, locs, n, pool.as<uint8_t>()}, s));
+                    Ok(cuda::QuantizeStore(params, s));
                   }));
-      const std::tuple<int, int, bool> shapes[] = {
-          {chosen.chunks, chosen.threads, !chosen.early_launch}, {1, 32, chosen.early_launch},
-          {1, 64, chosen.early_launch}, {1, 128, chosen.early_launch},
-          {1, 256, chosen.early_launch}, {2, 256, chosen.early_launch}};
-      for (const auto& [chunks, threads, early] : shapes) {
+      for (const QuantizeShape& shape : shapes) {
         std::printf(" | %.3f", GraphLaunchUs(reps, 200, [&](cudaStream_t s) {
-          switch (layout) {
-            case Layout::kV4: return LaunchShape<Layout::kV4>(chunks, threads, early, g, rows, locs, n, pool.as<uint8_t>(), s);
-            case Layout::kV41: return LaunchShape<Layout::kV41>(chunks, threads, early, g, rows, locs, n, pool.as<uint8_t>(), s);
-            case Layout::kV41Fp4: return LaunchShape<Layout::kV41Fp4>(chunks, threads, early, g, rows, locs, n, pool.as<uint8_t>(), s);
-          }
+          Ok(cuda::detail::DispatchLayout(layout, [&](auto l) {
+            return cuda::detail::LaunchQuantizeStore<decltype(l)::value>(params, shape, s);
+          }));
         }));
       }
       std::printf(" |\n");

@@ -9,6 +9,7 @@
 
 #include "kvferry/kernels/compressor_math.h"
 #include "kvferry/kernels/cuda_compressor.h"
+#include "kvferry/kernels/status_macros.h"
 #include "record.cuh"
 
 namespace kvferry::cuda::detail {
@@ -307,37 +308,35 @@ inline absl::StatusOr<int64_t> ClusterEntryLimit() {
   return sms / kC128Ctas;
 }
 
+// Ratios 1, 2 and 4 (one CTA per entry), with the FP4 fake quantization when asked for
+// (validation allows it for ratios 1 and 2 only; V41_FP4 pools never take it).
+template <Layout L, int kRatio>
+absl::Status LaunchRowCompress(const CompressorParams& p, const CompressorWindows& w,
+                               cudaStream_t stream, const char* name) {
+  if constexpr (L != Layout::kV41Fp4 && kRatio != 4) {
+    if (p.fp4_fake_quant) {
+      return LaunchKernel(CompressKernel<L, kRatio, true>, w.count, kRowThreads, stream, name, p,
+                          w.first_end);
+    }
+  }
+  return LaunchKernel(CompressKernel<L, kRatio, false>, w.count, kRowThreads, stream, name, p,
+                      w.first_end);
+}
+
 // Per-layout launcher (one explicit instantiation per .cu file).
 template <Layout L>
 absl::Status LaunchCompress(const CompressorParams& p, const CompressorWindows& w,
                             cudaStream_t stream) {
   switch (p.ratio) {
     case 1:
-      if constexpr (L != Layout::kV41Fp4) {
-        if (p.fp4_fake_quant) {
-          return LaunchKernel(CompressKernel<L, 1, true>, w.count, kRowThreads, stream,
-                              "CompressKernel<1>", p, w.first_end);
-        }
-      }
-      return LaunchKernel(CompressKernel<L, 1, false>, w.count, kRowThreads, stream,
-                          "CompressKernel<1>", p, w.first_end);
+      return LaunchRowCompress<L, 1>(p, w, stream, "CompressKernel<1>");
     case 2:
-      if constexpr (L != Layout::kV41Fp4) {
-        if (p.fp4_fake_quant) {
-          return LaunchKernel(CompressKernel<L, 2, true>, w.count, kRowThreads, stream,
-                              "CompressKernel<2>", p, w.first_end);
-        }
-      }
-      return LaunchKernel(CompressKernel<L, 2, false>, w.count, kRowThreads, stream,
-                          "CompressKernel<2>", p, w.first_end);
+      return LaunchRowCompress<L, 2>(p, w, stream, "CompressKernel<2>");
     case 4:
-      return LaunchKernel(CompressKernel<L, 4, false>, w.count, kRowThreads, stream,
-                          "CompressKernel<4>", p, w.first_end);
-    case 128:
-    {
-      absl::StatusOr<int64_t> limit = ClusterEntryLimit();
-      if (!limit.ok()) return limit.status();
-      if (w.count <= *limit) {
+      return LaunchRowCompress<L, 4>(p, w, stream, "CompressKernel<4>");
+    case 128: {
+      KVF_ASSIGN_OR_RETURN(const int64_t limit, ClusterEntryLimit());
+      if (w.count <= limit) {
         return LaunchClusterKernel(Compress128Kernel<L, true>, w.count * kC128Ctas, kC128Threads,
                                    kC128Ctas, stream, "Compress128Kernel<cluster>", p,
                                    w.first_end);

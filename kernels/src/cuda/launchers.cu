@@ -55,15 +55,10 @@ absl::Status QuantizeStore(const QuantizeStoreParams& p, cudaStream_t stream) {
   KVF_RETURN_IF_ERROR(CheckAligned(p.rows, "rows"));
   KVF_RETURN_IF_ERROR(CheckAligned(p.pool, "pool"));
   if (p.locs == nullptr) return absl::InvalidArgumentError("locations pointer is null");
-  switch (p.geometry.layout) {
-    case Layout::kV4:
-      return detail::LaunchQuantizeStore<Layout::kV4>(p, stream);
-    case Layout::kV41:
-      return detail::LaunchQuantizeStore<Layout::kV41>(p, stream);
-    case Layout::kV41Fp4:
-      return detail::LaunchQuantizeStore<Layout::kV41Fp4>(p, stream);
-  }
-  return absl::InvalidArgumentError("unknown layout");
+  const detail::QuantizeShape shape = detail::ChooseQuantizeShape(p.num_tokens);
+  return detail::DispatchLayout(p.geometry.layout, [&](auto layout) {
+    return detail::LaunchQuantizeStore<decltype(layout)::value>(p, shape, stream);
+  });
 }
 
 absl::Status DequantizeGather(const DequantizeGatherParams& p, cudaStream_t stream) {
@@ -81,15 +76,9 @@ absl::Status DequantizeGather(const DequantizeGatherParams& p, cudaStream_t stre
   if (reinterpret_cast<uintptr_t>(p.out) % 2 != 0) {
     return absl::InvalidArgumentError("workspace pointer is not 2-byte aligned");
   }
-  switch (p.geometry.layout) {
-    case Layout::kV4:
-      return detail::LaunchDequantizeGather<Layout::kV4>(p, stream);
-    case Layout::kV41:
-      return detail::LaunchDequantizeGather<Layout::kV41>(p, stream);
-    case Layout::kV41Fp4:
-      return detail::LaunchDequantizeGather<Layout::kV41Fp4>(p, stream);
-  }
-  return absl::InvalidArgumentError("unknown layout");
+  return detail::DispatchLayout(p.geometry.layout, [&](auto layout) {
+    return detail::LaunchDequantizeGather<decltype(layout)::value>(p, stream);
+  });
 }
 
 absl::Status Transcode(const TranscodeParams& p, cudaStream_t stream) {
@@ -109,15 +98,9 @@ absl::Status Transcode(const TranscodeParams& p, cudaStream_t stream) {
   if (p.src < dst_end && p.dst < src_end) {
     return absl::InvalidArgumentError("transcode source and destination pools overlap");
   }
-  switch (p.from.layout) {
-    case Layout::kV4:
-      return detail::LaunchTranscode<Layout::kV4>(p, stream);
-    case Layout::kV41:
-      return detail::LaunchTranscode<Layout::kV41>(p, stream);
-    case Layout::kV41Fp4:
-      return detail::LaunchTranscode<Layout::kV41Fp4>(p, stream);
-  }
-  return absl::InvalidArgumentError("unknown layout");
+  return detail::DispatchLayout(p.from.layout, [&](auto layout) {
+    return detail::LaunchTranscode<decltype(layout)::value>(p, stream);
+  });
 }
 
 }  // namespace kvferry::cuda
@@ -147,15 +130,9 @@ absl::Status Compress(const CompressorParams& p, cudaStream_t stream) {
       (p.pre_quant_rows != nullptr && reinterpret_cast<uintptr_t>(p.pre_quant_rows) % 8 != 0)) {
     return absl::InvalidArgumentError("RoPE tables and row output must be 8-byte aligned");
   }
-  switch (p.geometry.layout) {
-    case Layout::kV4:
-      return detail::LaunchCompress<Layout::kV4>(p, w, stream);
-    case Layout::kV41:
-      return detail::LaunchCompress<Layout::kV41>(p, w, stream);
-    case Layout::kV41Fp4:
-      return detail::LaunchCompress<Layout::kV41Fp4>(p, w, stream);
-  }
-  return absl::InvalidArgumentError("unknown layout");
+  return detail::DispatchLayout(p.geometry.layout, [&](auto layout) {
+    return detail::LaunchCompress<decltype(layout)::value>(p, w, stream);
+  });
 }
 
 }  // namespace kvferry::cuda

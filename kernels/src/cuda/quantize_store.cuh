@@ -1,9 +1,6 @@
 // quantize-store: [n, 512] bf16 rows + [n] locations → records in the pool.
 #pragma once
 
-#include <algorithm>
-#include <bit>
-
 #include "record.cuh"
 
 namespace kvferry::cuda::detail {
@@ -45,35 +42,9 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
   }
 }
 
-// Launch shape for n tokens: chunks per thread, threads per block, and whether the next
-// grid may launch early (see ThreadToken).
-struct QuantizeShape {
-  int chunks;
-  int threads;
-  bool early_launch;
-};
-
-// Up to kSmallLaunchTokens tokens, one chunk per thread (64 threads per token) halves each
-// thread's dependent chain; above, two chunks per thread (a warp per token, 8 per block)
-// move the most bytes per instruction. Small launches take the block count that finished
-// soonest in graph replays on the H200 (bench/RESULTS.md): one block for a single token,
-// four blocks up to 16 tokens, then about one block per SM (128 blocks) up to 512 tokens.
-inline constexpr int64_t kSmallLaunchTokens = 1024;
-
-inline QuantizeShape ChooseQuantizeShape(int64_t num_tokens) {
-  if (num_tokens > kSmallLaunchTokens) return {2, kThreadsPerBlock, false};
-  int64_t threads = 64;
-  if (num_tokens > 1) {
-    const int64_t pow2 = std::bit_ceil(static_cast<uint64_t>(num_tokens));
-    threads = std::clamp<int64_t>(num_tokens <= 16 ? pow2 * 16 : pow2 / 2,  // 4 or 128 blocks
-                                  kWarp, kThreadsPerBlock);
-  }
-  return {1, static_cast<int>(threads), threads <= 2 * kWarp};
-}
-
 template <Layout L>
-absl::Status LaunchQuantizeStore(const QuantizeStoreParams& p, cudaStream_t stream) {
-  const QuantizeShape shape = ChooseQuantizeShape(p.num_tokens);
+absl::Status LaunchQuantizeStore(const QuantizeStoreParams& p, const QuantizeShape& shape,
+                                 cudaStream_t stream) {
   const int64_t threads_total = p.num_tokens * (kRowChunks / shape.chunks);
   const int64_t blocks = (threads_total + shape.threads - 1) / shape.threads;
   return DispatchPageSize(p.geometry.page_size, [&](auto log2_page) {

@@ -2,5 +2,6 @@
 #include "quantize_store.cuh"
 
 namespace kvferry::cuda::detail {
-template absl::Status LaunchQuantizeStore<Layout::kV41>(const QuantizeStoreParams&, cudaStream_t);
+template absl::Status LaunchQuantizeStore<Layout::kV41>(const QuantizeStoreParams&,
+                                                            const QuantizeShape&, cudaStream_t);
 }  // namespace kvferry::cuda::detail

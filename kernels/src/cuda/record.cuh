@@ -15,6 +15,8 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <bit>
 #include <cstdint>
 #include <type_traits>
 
@@ -351,15 +353,12 @@ __device__ __forceinline__ void LoadRecord(const uint8_t* __restrict__ data,
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     const int c = ChunkOf<2>(lane, k);
+    if (L == Layout::kV4 && c >= kNopeChunks) {  // RoPE dims: the stored bf16 as they are
+      SplitBf16(raw[k], r.bits[k], r.v[k]);
+      continue;
+    }
     if constexpr (L == Layout::kV41Fp4) {
       UnpackE2m1(raw[k].x, E4m3ToFloatFast(scales[k]), r.bits[k]);
-    } else if (L == Layout::kV4 && c >= kNopeChunks) {
-      const uint32_t words[4] = {raw[k].x, raw[k].y, raw[k].z, raw[k].w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        r.bits[k][2 * j] = static_cast<uint16_t>(words[j] & 0xFFFFu);
-        r.bits[k][2 * j + 1] = static_cast<uint16_t>(words[j] >> 16);
-      }
     } else {
       UnpackE4m3(make_uint2(raw[k].x, raw[k].y), numerics::Ue8m0ToFloat(scales[k]), r.bits[k]);
     }
@@ -393,6 +392,21 @@ absl::Status DispatchPageSize(int page_size, F&& f) {
       return absl::InvalidArgumentError(absl::StrCat(
           "page size ", page_size, " is not a power of two in [1, ", kMaxPageSize, "]"));
   }
+}
+
+// Calls f(std::integral_constant<Layout, L>{}) for the layout.
+template <typename F>
+absl::Status DispatchLayout(Layout layout, F&& f) {
+  switch (layout) {
+    case Layout::kV4:
+      return f(std::integral_constant<Layout, Layout::kV4>{});
+    case Layout::kV41:
+      return f(std::integral_constant<Layout, Layout::kV41>{});
+    case Layout::kV41Fp4:
+      return f(std::integral_constant<Layout, Layout::kV41Fp4>{});
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown layout ", static_cast<int>(layout)));
 }
 
 // Programmatic dependent launch (sm_90+): a kernel waits for the grid before it in the
@@ -501,9 +515,37 @@ inline int64_t BlocksFor(int64_t num_tokens) {
   return (num_tokens + kWarpsPerBlock - 1) / kWarpsPerBlock;
 }
 
-// Per-layout launchers, one explicit instantiation per .cu file.
+// Launch shape of a quantize-store: chunks per thread, threads per block, and whether the
+// next grid may launch early (see ThreadToken).
+struct QuantizeShape {
+  int chunks;
+  int threads;
+  bool early_launch;
+};
+
+// Up to kSmallLaunchTokens tokens, one chunk per thread (64 threads per token) halves each
+// thread's dependent chain; above, two chunks per thread (a warp per token, 8 per block)
+// move the most bytes per instruction. Small launches take the block count that finished
+// soonest in graph replays on the H200 (bench/RESULTS.md): one block for a single token,
+// four blocks up to 16 tokens, then about one block per SM (128 blocks) up to 512 tokens.
+inline constexpr int64_t kSmallLaunchTokens = 1024;
+
+inline QuantizeShape ChooseQuantizeShape(int64_t num_tokens) {
+  if (num_tokens > kSmallLaunchTokens) return {2, kThreadsPerBlock, false};
+  int64_t threads = 64;
+  if (num_tokens > 1) {
+    const int64_t pow2 = std::bit_ceil(static_cast<uint64_t>(num_tokens));
+    threads = std::clamp<int64_t>(num_tokens <= 16 ? pow2 * 16 : pow2 / 2,  // 4 or 128 blocks
+                                  kWarp, kThreadsPerBlock);
+  }
+  return {1, static_cast<int>(threads), threads <= 2 * kWarp};
+}
+
+// Per-layout launchers, one explicit instantiation per .cu file. Quantize-store takes its
+// shape (ChooseQuantizeShape in production; kernel_bench sweeps the others).
 template <Layout L>
-absl::Status LaunchQuantizeStore(const QuantizeStoreParams& p, cudaStream_t stream);
+absl::Status LaunchQuantizeStore(const QuantizeStoreParams& p, const QuantizeShape& shape,
+                                 cudaStream_t stream);
 template <Layout L>
 absl::Status LaunchDequantizeGather(const DequantizeGatherParams& p, cudaStream_t stream);
 template <Layout From>

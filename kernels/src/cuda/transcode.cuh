@@ -31,15 +31,9 @@ absl::Status LaunchTranscodeTo(const TranscodeParams& p, cudaStream_t stream) {
 
 template <Layout From>
 absl::Status LaunchTranscode(const TranscodeParams& p, cudaStream_t stream) {
-  switch (p.to.layout) {
-    case Layout::kV4:
-      return LaunchTranscodeTo<From, Layout::kV4>(p, stream);
-    case Layout::kV41:
-      return LaunchTranscodeTo<From, Layout::kV41>(p, stream);
-    case Layout::kV41Fp4:
-      return LaunchTranscodeTo<From, Layout::kV41Fp4>(p, stream);
-  }
-  return absl::InvalidArgumentError("unknown destination layout");
+  return DispatchLayout(p.to.layout, [&](auto to) {
+    return LaunchTranscodeTo<From, decltype(to)::value>(p, stream);
+  });
 }
 
 }  // namespace kvferry::cuda::detail
