@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvferry/kernels/numerics.h"
+#include "kvferry/kernels/ops.h"
 
 namespace kvferry {
 
@@ -23,6 +24,15 @@ absl::Status ValidateGeometry(const PoolGeometry& geometry) {
   if (geometry.num_pages <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("a pool needs at least one page, got ", geometry.num_pages));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidatePageCopyGeometry(const PageCopyGeometry& geometry) {
+  if (geometry.page_bytes <= 0 || geometry.num_pages <= 0 || geometry.num_layers <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "page copy geometry needs positive sizes, got page_bytes ", geometry.page_bytes,
+        ", num_pages ", geometry.num_pages, ", num_layers ", geometry.num_layers));
   }
   return absl::OkStatus();
 }

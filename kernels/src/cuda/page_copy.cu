@@ -1,4 +1,6 @@
 // Page gather/scatter between a layer-stacked pool and a contiguous transfer buffer.
+#include "kvferry/kernels/status_macros.h"
+#include "kvferry/kernels/validate.h"
 #include "record.cuh"
 
 namespace kvferry::cuda::detail {
@@ -34,11 +36,7 @@ __global__ void __launch_bounds__(kCopyThreads)
 template <bool kGather>
 absl::Status LaunchPageCopy(const PageCopyParams& p, cudaStream_t stream) {
   const PageCopyGeometry& g = p.geometry;
-  if (g.page_bytes <= 0 || g.num_pages <= 0 || g.num_layers <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "page copy geometry needs positive sizes, got page_bytes ", g.page_bytes,
-        ", num_pages ", g.num_pages, ", num_layers ", g.num_layers));
-  }
+  KVF_RETURN_IF_ERROR(ValidatePageCopyGeometry(g));
   if (p.num_listed < 0) {
     return absl::InvalidArgumentError(absl::StrCat("negative page count ", p.num_listed));
   }

@@ -161,11 +161,7 @@ namespace {
 
 absl::Status ValidatePageCopy(const PageCopyGeometry& geometry, size_t pool_size,
                               std::span<const int64_t> pages, size_t buffer_size, bool unique) {
-  if (geometry.page_bytes <= 0 || geometry.num_pages <= 0 || geometry.num_layers <= 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "page copy geometry needs positive sizes, got page_bytes ", geometry.page_bytes,
-        ", num_pages ", geometry.num_pages, ", num_layers ", geometry.num_layers));
-  }
+  KVF_RETURN_IF_ERROR(ValidatePageCopyGeometry(geometry));
   KVF_RETURN_IF_ERROR(CheckSpan(pool_size, geometry.pool_bytes(), "pool"));
   KVF_RETURN_IF_ERROR(CheckSpan(buffer_size, geometry.buffer_bytes(pages.size()), "page buffer"));
   return ValidateLocations(pages, geometry.num_pages, unique, "page");

@@ -14,6 +14,10 @@ namespace kvferry {
 // Layout in range, page size a power of two in [1, 4096], num_pages > 0.
 absl::Status ValidateGeometry(const PoolGeometry& geometry);
 
+// Page copies: page_bytes, num_pages and num_layers all positive.
+struct PageCopyGeometry;  // kvferry/kernels/ops.h
+absl::Status ValidatePageCopyGeometry(const PageCopyGeometry& geometry);
+
 // `num_values` bf16 values form whole 512-value rows.
 absl::Status ValidateRowShape(int64_t num_values, int64_t num_rows);
 
