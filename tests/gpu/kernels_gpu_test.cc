@@ -5,6 +5,7 @@
 #include "common/cuda_testing.h"
 #include "common/golden.h"
 #include "common/random_rows.h"
+#include "common/stored_rows.h"
 #include "gtest/gtest.h"
 #include "kvferry/kernels/cuda_ops.h"
 #include "kvferry/kernels/ops.h"
@@ -94,25 +95,24 @@ TEST_P(GpuRandomTest, QuantizeStoreMatchesReference) {
   for (int64_t n : sizes) {
     SCOPED_TRACE("tokens " + std::to_string(n));
     const PoolGeometry g = GeometryFor(n);
-    const auto rows = testing::RandomRows(n, 100 + n);
-    const auto locs = testing::ScatteredLocations(n, g.num_tokens(), 200 + n);
-    std::vector<uint8_t> expected = Poison(g.pool_bytes(), 1);
-    DeviceBuffer pool(expected);
-    ASSERT_TRUE(reference::QuantizeStore(g, rows, locs, expected).ok());
-    DeviceBuffer d_rows(rows), d_locs(locs);
+    std::vector<uint8_t> poison = Poison(g.pool_bytes(), 1);
+    DeviceBuffer pool(poison);
+    const auto expected = testing::StoreRandomRows(g, n, 100 + n, 200 + n, std::move(poison));
+    ASSERT_TRUE(expected.ok()) << expected.status();
+    DeviceBuffer d_rows(expected->rows), d_locs(expected->locs);
     ASSERT_TRUE(cuda::QuantizeStore(
         {g, d_rows.as<uint16_t>(), d_locs.as<int64_t>(), n, pool.as<uint8_t>()}, nullptr).ok());
-    EXPECT_EQ(FirstDifference(pool.Download<uint8_t>(), expected), -1);
+    EXPECT_EQ(FirstDifference(pool.Download<uint8_t>(), expected->pool), -1);
   }
 }
 
 TEST_P(GpuRandomTest, DequantizeGatherMatchesReferenceAtAnyStride) {
   for (int64_t n : kSizes) {
     const PoolGeometry g = GeometryFor(n);
-    const auto rows = testing::RandomRows(n, 300 + n);
-    const auto locs = testing::ScatteredLocations(n, g.num_tokens(), 400 + n);
-    std::vector<uint8_t> pool = Poison(g.pool_bytes(), 2);
-    ASSERT_TRUE(reference::QuantizeStore(g, rows, locs, pool).ok());
+    const auto stored = testing::StoreRandomRows(g, n, 300 + n, 400 + n, Poison(g.pool_bytes(), 2));
+    ASSERT_TRUE(stored.ok()) << stored.status();
+    const std::vector<uint8_t>& pool = stored->pool;
+    const std::vector<int64_t>& locs = stored->locs;
     DeviceBuffer d_pool(pool), d_locs(locs);
     // 512: packed; 520: aligned vector path with gaps; 515: unaligned element path.
     for (int64_t stride : {512, 520, 515}) {
@@ -133,10 +133,11 @@ TEST_P(GpuRandomTest, DequantizeGatherMatchesReferenceAtAnyStride) {
 TEST_P(GpuRandomTest, TranscodeToEveryLayoutMatchesReference) {
   for (int64_t n : kSizes) {
     const PoolGeometry from = GeometryFor(n);
-    const auto rows = testing::RandomRows(n, 500 + n);
-    const auto locs = testing::ScatteredLocations(n, from.num_tokens(), 600 + n);
-    std::vector<uint8_t> src = Poison(from.pool_bytes(), 4);
-    ASSERT_TRUE(reference::QuantizeStore(from, rows, locs, src).ok());
+    const auto stored =
+        testing::StoreRandomRows(from, n, 500 + n, 600 + n, Poison(from.pool_bytes(), 4));
+    ASSERT_TRUE(stored.ok()) << stored.status();
+    const std::vector<uint8_t>& src = stored->pool;
+    const std::vector<int64_t>& locs = stored->locs;
     DeviceBuffer d_src(src), d_locs(locs);
     for (Layout to_layout : testing::AllLayouts()) {
       SCOPED_TRACE("tokens " + std::to_string(n) + " to " + LayoutName(to_layout));

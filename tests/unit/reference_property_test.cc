@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "common/random_rows.h"
+#include "common/stored_rows.h"
 #include "gtest/gtest.h"
 #include "kvferry/kernels/numerics.h"
 #include "kvferry/kernels/ops.h"
@@ -21,10 +22,9 @@ TEST_P(ReferencePropertyTest, RoundTripErrorWithinFormatBound) {
   const Layout layout = GetParam();
   const PoolGeometry g{layout, 64, 40};
   const int64_t n = 2000;
-  const auto rows = testing::RandomRows(n, 7);
-  const auto locs = testing::ScatteredLocations(n, g.num_tokens(), 8);
-  std::vector<uint8_t> pool(g.pool_bytes(), 0);
-  ASSERT_TRUE(reference::QuantizeStore(g, rows, locs, pool).ok());
+  const auto stored = testing::StoreRandomRows(g, n, 7, 8, std::vector<uint8_t>(g.pool_bytes(), 0));
+  ASSERT_TRUE(stored.ok()) << stored.status();
+  const auto& [rows, locs, pool] = *stored;
   std::vector<uint16_t> back(rows.size());
   ASSERT_TRUE(reference::DequantizeGather(g, pool, locs, back).ok());
   const int tile = GetLayoutInfo(layout).tile;
@@ -63,10 +63,10 @@ TEST_P(ReferencePropertyTest, TranscodeEqualsQuantizeOfDequantize) {
   const Layout from = GetParam();
   const PoolGeometry src_g{from, 16, 50};
   const int64_t n = 500;
-  const auto rows = testing::RandomRows(n, 11);
-  const auto locs = testing::ScatteredLocations(n, src_g.num_tokens(), 12);
-  std::vector<uint8_t> src(src_g.pool_bytes(), 0);
-  ASSERT_TRUE(reference::QuantizeStore(src_g, rows, locs, src).ok());
+  const auto stored =
+      testing::StoreRandomRows(src_g, n, 11, 12, std::vector<uint8_t>(src_g.pool_bytes(), 0));
+  ASSERT_TRUE(stored.ok()) << stored.status();
+  const auto& [rows, locs, src] = *stored;
   for (Layout to : {Layout::kV4, Layout::kV41, Layout::kV41Fp4}) {
     const PoolGeometry dst_g{to, 16, 50};
     std::vector<uint8_t> transcoded(dst_g.pool_bytes(), 0);
@@ -84,10 +84,10 @@ TEST_P(ReferencePropertyTest, BytesOutsideWrittenRecordsStayZero) {
   for (int page_size : {1, 16, 64, 256}) {
     const PoolGeometry g{layout, page_size, 8};
     const int64_t n = std::max<int64_t>(1, g.num_tokens() / 3);
-    const auto rows = testing::RandomRows(n, 21);
-    const auto locs = testing::ScatteredLocations(n, g.num_tokens(), 22);
-    std::vector<uint8_t> pool(g.pool_bytes(), 0);
-    ASSERT_TRUE(reference::QuantizeStore(g, rows, locs, pool).ok());
+    const auto stored =
+        testing::StoreRandomRows(g, n, 21, 22, std::vector<uint8_t>(g.pool_bytes(), 0));
+    ASSERT_TRUE(stored.ok()) << stored.status();
+    const auto& [rows, locs, pool] = *stored;
     // Mark the written records from the spec's formulas (§3), independently of LocateRecord.
     const LayoutInfo info = GetLayoutInfo(layout);
     const int64_t page_bytes = g.page_bytes();
