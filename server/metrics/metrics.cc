@@ -133,11 +133,6 @@ void DaemonMetrics::RecordOp(const char* op, Layout layout, double seconds) {
 std::string DaemonMetrics::Render() const {
   std::string out;
   const std::vector<PoolStats> pools = pools_();
-  struct Gauge {
-    const char* name;
-    const char* help;
-    std::function<void(const PoolStats&, std::string&, const std::string&)> emit;
-  };
   auto labels = [](const PoolStats& p) {
     return absl::StrCat("pool=\"", Escape(p.name), "\",layout=\"", LayoutName(p.layout),
                         "\",device=\"", Escape(p.device), "\"");
