@@ -8,7 +8,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "backend/backend.h"
-#include "log.h"
+#include "common/log.h"
+#include "service/metrics_interceptor.h"
 
 namespace kvferry::server {
 
@@ -21,28 +22,33 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   }
   // The metrics read pool stats through the manager, created right after.
   Daemon* raw = d.get();
-  d->daemon_metrics_ = std::make_unique<DaemonMetrics>([raw] {
-    std::vector<PoolStats> stats;
-    for (const auto& pool : raw->pools_->List()) stats.push_back(pool->Stats());
-    return stats;
-  });
+  d->daemon_metrics_ =
+      std::make_unique<DaemonMetrics>([raw] { return raw->pools_->Stats().pools; });
   d->pools_ = std::make_unique<PoolManager>(
       PoolManagerOptions{d->default_device_, d->daemon_metrics_.get()});
+  // An AllocatePages reply holds at most ~26 bytes per handle; keep it well inside a message.
+  options.service.max_pages_per_call =
+      std::min<int64_t>(options.service.max_pages_per_call, (options.max_message_bytes - 4096) / 32);
   d->service_ = std::make_unique<KvFerryService>(d->pools_.get(), options.service);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
+  // gRPC allows SO_REUSEPORT by default: a second daemon would then share the port and
+  // take half the clients. Start-up must fail instead.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &d->grpc_port_);
   builder.RegisterService(d->service_.get());
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
-  interceptors.push_back(std::make_unique<MetricsInterceptorFactory>(d->daemon_metrics_.get()));
+  interceptors.push_back(std::make_unique<MetricsInterceptorFactory>(
+      d->daemon_metrics_.get(), MetricsInterceptorFactory::KnownMethods({"kvferry.v1.KvFerry"})));
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
   d->server_ = builder.BuildAndStart();
   if (!d->server_ || d->grpc_port_ == 0) {
-    return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen));
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", options.listen, ": address in use or not available"));
   }
   d->server_->GetHealthCheckService()->SetServingStatus(true);
   if (!options.metrics_listen.empty()) {

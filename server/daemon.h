@@ -9,7 +9,7 @@
 #include "absl/status/statusor.h"
 #include "core/pool_manager.h"
 #include "metrics/metrics.h"
-#include "service/kvferry_service.h"
+#include "service/pool_service.h"
 
 namespace kvferry::server {
 

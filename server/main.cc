@@ -9,7 +9,7 @@
 #include "absl/flags/usage.h"
 #include "daemon.h"
 #include "kvferry/kernels/format.h"
-#include "log.h"
+#include "common/log.h"
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051", "gRPC listen address (host:port; port 0 picks one)");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
@@ -47,8 +47,8 @@ int main(int argc, char** argv) {
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.service.default_chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
   options.service.max_chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
-  options.service.max_write_tokens = absl::GetFlag(FLAGS_max_write_tokens);
-  options.service.max_write_bytes = absl::GetFlag(FLAGS_max_write_bytes);
+  options.service.write_limits.max_tokens = absl::GetFlag(FLAGS_max_write_tokens);
+  options.service.write_limits.max_bytes = absl::GetFlag(FLAGS_max_write_bytes);
   if (options.max_message_bytes < options.service.max_chunk_bytes + 4096) {
     std::fprintf(stderr, "kvferryd: --max_message_bytes must exceed --chunk_bytes by 4 KiB\n");
     return 2;

@@ -1,14 +1,11 @@
-// DeviceMemory, the backend factory and the cpu backend (the reference ops on host memory).
+// Buffer, op names, Run, and the backend factory.
 #include "backend/backend.h"
 
-#include <unistd.h>
-
-#include <cstdlib>
-#include <cstring>
-
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/match.h"
+#include "backend/cpu_backend.h"
+#include "common/errors.h"
 #include "kvferry/kernels/status_macros.h"
 
 #if defined(KVFERRY_HAVE_CUDA)
@@ -17,14 +14,11 @@
 
 namespace kvferry::server {
 
-DeviceMemory::~DeviceMemory() {
-  if (backend_ != nullptr && ptr_ != nullptr) backend_->Release(ptr_, bytes_);
-}
-
-DeviceMemory& DeviceMemory::operator=(DeviceMemory&& other) noexcept {
+Buffer& Buffer::operator=(Buffer&& other) noexcept {
   if (this != &other) {
-    if (backend_ != nullptr && ptr_ != nullptr) backend_->Release(ptr_, bytes_);
+    Reset();
     backend_ = other.backend_;
+    kind_ = other.kind_;
     ptr_ = other.ptr_;
     bytes_ = other.bytes_;
     other.backend_ = nullptr;
@@ -34,101 +28,51 @@ DeviceMemory& DeviceMemory::operator=(DeviceMemory&& other) noexcept {
   return *this;
 }
 
-namespace {
+void Buffer::Reset() {
+  if (backend_ != nullptr && ptr_ != nullptr) backend_->Release(kind_, ptr_, bytes_);
+  backend_ = nullptr;
+  ptr_ = nullptr;
+  bytes_ = 0;
+}
 
-// The cpu backend: host memory and the CPU reference ops.
-class CpuBackend final : public Backend {
- public:
-  const std::string& device() const override { return device_; }
+const char* OpName(const Op& op) {
+  struct Namer {
+    const char* operator()(const CopyOp&) const { return "copy"; }
+    const char* operator()(const FillZeroOp&) const { return "fill_zero"; }
+    const char* operator()(const QuantizeStoreParams&) const { return "quantize_store"; }
+    const char* operator()(const DequantizeGatherParams&) const { return "dequantize_gather"; }
+    const char* operator()(const TranscodeParams&) const { return "transcode"; }
+    const char* operator()(const GatherPagesOp&) const { return "gather_pages"; }
+    const char* operator()(const ScatterPagesOp&) const { return "scatter_pages"; }
+    const char* operator()(const ZeroPagesOp&) const { return "zero_pages"; }
+    const char* operator()(const CompressOp&) const { return "compress"; }
+  };
+  return std::visit(Namer{}, op);
+}
 
-  absl::StatusOr<uint64_t> FreeBytes() override {
-    const long pages = sysconf(_SC_AVPHYS_PAGES);
-    const long page_size = sysconf(_SC_PAGESIZE);
-    if (pages < 0 || page_size < 0) return absl::InternalError("cannot read free host memory");
-    return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page_size);
-  }
-
-  absl::StatusOr<DeviceMemory> Allocate(size_t bytes, bool zero) override {
-    KVF_ASSIGN_OR_RETURN(const uint64_t free_bytes, FreeBytes());
-    if (bytes > free_bytes) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "cpu: ", bytes, " bytes requested, ", free_bytes, " bytes of host memory free"));
-    }
-    void* ptr = zero ? std::calloc(bytes == 0 ? 1 : bytes, 1) : std::malloc(bytes == 0 ? 1 : bytes);
-    if (ptr == nullptr) {
-      return absl::ResourceExhaustedError(absl::StrCat("cpu: cannot allocate ", bytes, " bytes"));
-    }
-    return DeviceMemory(this, ptr, bytes);
-  }
-
-  absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
-    std::memcpy(dst, src, bytes);
-    return absl::OkStatus();
-  }
-  absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
-    std::memcpy(dst, src, bytes);
-    return absl::OkStatus();
-  }
-  absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes) override {
-    std::memmove(dst, src, bytes);
-    return absl::OkStatus();
-  }
-
-  absl::Status Zero(void* dst, size_t bytes) override {
-    std::memset(dst, 0, bytes);
-    return absl::OkStatus();
-  }
-
-  absl::Status QuantizeStore(const PoolGeometry& g, uint8_t* pool, const uint16_t* rows,
-                             const int64_t* locs, int64_t n) override {
-    return reference::QuantizeStore(g, {rows, static_cast<size_t>(n) * kHeadDim},
-                                    {locs, static_cast<size_t>(n)},
-                                    {pool, static_cast<size_t>(g.pool_bytes())});
-  }
-  absl::Status DequantizeGather(const PoolGeometry& g, const uint8_t* pool, const int64_t* locs,
-                                int64_t n, uint16_t* out) override {
-    return reference::DequantizeGather(g, {pool, static_cast<size_t>(g.pool_bytes())},
-                                       {locs, static_cast<size_t>(n)},
-                                       {out, static_cast<size_t>(n) * kHeadDim});
-  }
-  absl::Status Transcode(const PoolGeometry& from, const uint8_t* src, const PoolGeometry& to,
-                         uint8_t* dst, const int64_t* locs, int64_t n) override {
-    return reference::Transcode(from, {src, static_cast<size_t>(from.pool_bytes())}, to,
-                                {dst, static_cast<size_t>(to.pool_bytes())},
-                                {locs, static_cast<size_t>(n)});
-  }
-  absl::Status GatherPages(const PageCopyGeometry& g, const uint8_t* pool, const int64_t* pages,
-                           int64_t n, uint8_t* buffer) override {
-    return reference::GatherPages(g, {pool, static_cast<size_t>(g.pool_bytes())},
-                                  {pages, static_cast<size_t>(n)},
-                                  {buffer, static_cast<size_t>(g.buffer_bytes(n))});
-  }
-
- protected:
-  void Release(void* ptr, size_t) override { std::free(ptr); }
-
- private:
-  const std::string device_ = "cpu";
-};
-
-}  // namespace
+absl::Status Backend::Run(std::span<const Op> ops) {
+  KVF_ASSIGN_OR_RETURN(Completion done, Submit(ops));
+  return done.Wait();
+}
 
 absl::StatusOr<std::shared_ptr<Backend>> MakeBackend(const std::string& device) {
-  if (device == "cpu") return std::make_shared<CpuBackend>();
+  if (device == "cpu") return MakeCpuBackend();
   if (absl::StartsWith(device, "cuda:")) {
     int index;
     if (!absl::SimpleAtoi(device.substr(5), &index) || index < 0) {
-      return absl::InvalidArgumentError(absl::StrCat("device '", device, "': bad GPU index"));
+      return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kUnknownDevice,
+                   absl::StrCat("device '", device.substr(0, 64), "': bad GPU index"));
     }
 #if defined(KVFERRY_HAVE_CUDA)
     return MakeCudaBackend(index);
 #else
-    return absl::FailedPreconditionError(
-        absl::StrCat("device '", device, "': this kvferryd was built without CUDA"));
+    return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kUnknownDevice,
+                 absl::StrCat("device '", device, "': this kvferryd was built without CUDA"));
 #endif
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown device '", device, "': expected \"cpu\" or \"cuda:N\""));
+  return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kUnknownDevice,
+               absl::StrCat("unknown device '", device.substr(0, 64),
+                            "': expected \"cpu\" or \"cuda:N\""));
 }
 
 std::string DefaultDevice() {

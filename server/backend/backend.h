@@ -1,43 +1,132 @@
-// The seam between the daemon and a device: memory, copies and the KV ops.
+// The seam between the daemon and a device: where bytes live, and who runs the ops.
 //
-// A Backend owns nothing of the pools' bookkeeping; it moves bytes and runs kernels.
-// Implementations are thread-safe: several requests may run ops at once (on the cuda
-// backend each calling thread uses its own stream). "Device memory" is host memory on the
-// cpu backend. Every call that returns returns after its work is complete.
+// Two halves, kept apart because callers mix them: a Backend allocates memory of its
+// device (MemoryKind::kDevice) and host staging the device reaches fast
+// (MemoryKind::kHostStaging: pinned on cuda, plain on cpu), and it runs the ops of
+// kernels/ (the params structs of kvferry/kernels/op_params.h and compressor.h) on any
+// pointers it can address — its own buffers, or memory it did not allocate (another
+// process's tensors opened over CUDA IPC, a host tier).
+//
+// Completion is explicit: Submit() enqueues a list of ops that run in order and returns a
+// Completion; the ops' outputs may be read (by the host, or by any later Submit) only after
+// Completion::Wait() returned OK. Run() is Submit() + Wait(). An error from Submit means no
+// op of the list ran past the failing one's launch; the ops before it may have run.
+// Implementations are thread-safe: any number of threads may Submit at once.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
+#include <variant>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kvferry/kernels/compressor.h"
 #include "kvferry/kernels/format.h"
-#include "kvferry/kernels/ops.h"
+#include "kvferry/kernels/op_params.h"
 
 namespace kvferry::server {
 
 class Backend;
 
-// A block of device memory, freed on destruction.
-class DeviceMemory {
+enum class MemoryKind {
+  kDevice,       // the backend's device memory (host memory on cpu)
+  kHostStaging,  // host memory for copies to and from the device (pinned on cuda)
+};
+
+// A block of backend memory, released on destruction.
+class Buffer {
  public:
-  DeviceMemory() = default;
-  DeviceMemory(Backend* backend, void* ptr, size_t bytes) : backend_(backend), ptr_(ptr), bytes_(bytes) {}
-  ~DeviceMemory();
-  DeviceMemory(DeviceMemory&& other) noexcept { *this = std::move(other); }
-  DeviceMemory& operator=(DeviceMemory&& other) noexcept;
-  DeviceMemory(const DeviceMemory&) = delete;
-  DeviceMemory& operator=(const DeviceMemory&) = delete;
+  Buffer() = default;
+  Buffer(Backend* backend, MemoryKind kind, void* ptr, size_t bytes)
+      : backend_(backend), kind_(kind), ptr_(ptr), bytes_(bytes) {}
+  ~Buffer() { Reset(); }
+  Buffer(Buffer&& other) noexcept { *this = std::move(other); }
+  Buffer& operator=(Buffer&& other) noexcept;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
 
   template <typename T = uint8_t>
   T* get() const { return static_cast<T*>(ptr_); }
   size_t bytes() const { return bytes_; }
+  MemoryKind kind() const { return kind_; }
+  void Reset();
 
  private:
   Backend* backend_ = nullptr;
+  MemoryKind kind_ = MemoryKind::kDevice;
   void* ptr_ = nullptr;
   size_t bytes_ = 0;
+};
+
+// ---- ops -----------------------------------------------------------------------------------
+
+// bytes from src to dst, each in memory the backend addresses (host or device).
+struct CopyOp {
+  void* dst = nullptr;
+  const void* src = nullptr;
+  size_t bytes = 0;
+};
+struct FillZeroOp {
+  void* dst = nullptr;
+  size_t bytes = 0;
+};
+struct GatherPagesOp {
+  PageCopyParams params;  // pool pages → buffer
+};
+struct ScatterPagesOp {
+  PageCopyParams params;  // buffer → pool pages (pages unique)
+};
+struct ZeroPagesOp {
+  PageCopyParams params;  // every layer of the listed pages ← 0 (buffer unused)
+};
+struct CompressOp {
+  CompressorParams params;
+};
+
+using Op = std::variant<CopyOp, FillZeroOp, QuantizeStoreParams, DequantizeGatherParams,
+                        TranscodeParams, GatherPagesOp, ScatterPagesOp, ZeroPagesOp, CompressOp>;
+
+// The name of an op's kind ("quantize_store", ...), for metrics and fault injection.
+const char* OpName(const Op& op);
+
+// The end of a submitted list of ops. Move-only; destroying it waits for the ops.
+class Completion {
+ public:
+  class Impl {
+   public:
+    virtual ~Impl() = default;
+    virtual absl::Status Wait() = 0;
+    virtual bool Ready() = 0;
+  };
+  Completion() = default;  // already complete, OK
+  explicit Completion(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+  Completion(Completion&&) noexcept = default;
+  Completion& operator=(Completion&& other) noexcept {
+    if (this != &other) {
+      Wait().IgnoreError();
+      impl_ = std::move(other.impl_);
+    }
+    return *this;
+  }
+  ~Completion() { Wait().IgnoreError(); }
+
+  // Blocks until every op is complete and visible; returns the first error of any of them.
+  // Later calls return the same status.
+  absl::Status Wait() {
+    if (impl_ != nullptr) {
+      status_ = impl_->Wait();
+      impl_.reset();
+    }
+    return status_;
+  }
+  // True once Wait() would not block.
+  bool Ready() { return impl_ == nullptr || impl_->Ready(); }
+
+ private:
+  std::unique_ptr<Impl> impl_;
+  absl::Status status_;
 };
 
 class Backend {
@@ -46,32 +135,23 @@ class Backend {
 
   // "cpu" or "cuda:N".
   virtual const std::string& device() const = 0;
-  // Bytes that an Allocate could still get, as the device reports it.
+  // Bytes of device memory that an Allocate could still get, as the device reports it.
   virtual absl::StatusOr<uint64_t> FreeBytes() = 0;
 
-  // Allocates `bytes` of device memory, zero-filled unless `zero` is false (staging that is
-  // overwritten anyway). RESOURCE_EXHAUSTED when it does not fit.
-  virtual absl::StatusOr<DeviceMemory> Allocate(size_t bytes, bool zero = true) = 0;
+  // `bytes` of memory of `kind`, zero-filled when `zero` (else contents are unspecified).
+  // RESOURCE_EXHAUSTED (reason DEVICE_OUT_OF_MEMORY) when it does not fit.
+  virtual absl::StatusOr<Buffer> Allocate(size_t bytes, MemoryKind kind, bool zero) = 0;
+  absl::StatusOr<Buffer> Allocate(size_t bytes) { return Allocate(bytes, MemoryKind::kDevice, true); }
 
-  virtual absl::Status CopyToDevice(void* device_dst, const void* host_src, size_t bytes) = 0;
-  virtual absl::Status CopyToHost(void* host_dst, const void* device_src, size_t bytes) = 0;
-  virtual absl::Status CopyOnDevice(void* device_dst, const void* device_src, size_t bytes) = 0;
-  virtual absl::Status Zero(void* device_dst, size_t bytes) = 0;
-
-  // The ops of kernels/, on device pointers (see kvferry/kernels/ops.h for the contracts).
-  virtual absl::Status QuantizeStore(const PoolGeometry& geometry, uint8_t* pool,
-                                     const uint16_t* rows, const int64_t* locs, int64_t n) = 0;
-  virtual absl::Status DequantizeGather(const PoolGeometry& geometry, const uint8_t* pool,
-                                        const int64_t* locs, int64_t n, uint16_t* out) = 0;
-  virtual absl::Status Transcode(const PoolGeometry& from, const uint8_t* src,
-                                 const PoolGeometry& to, uint8_t* dst, const int64_t* locs,
-                                 int64_t n) = 0;
-  virtual absl::Status GatherPages(const PageCopyGeometry& geometry, const uint8_t* pool,
-                                   const int64_t* pages, int64_t n, uint8_t* buffer) = 0;
+  // Enqueues `ops`, in order; see the file comment for the contract.
+  virtual absl::StatusOr<Completion> Submit(std::span<const Op> ops) = 0;
+  // Submit and wait.
+  absl::Status Run(std::span<const Op> ops);
+  absl::Status Run(const Op& op) { return Run(std::span<const Op>(&op, 1)); }
 
  protected:
-  friend class DeviceMemory;
-  virtual void Release(void* ptr, size_t bytes) = 0;
+  friend class Buffer;
+  virtual void Release(MemoryKind kind, void* ptr, size_t bytes) = 0;
 };
 
 // "cpu" or "cuda:N" (the latter only in builds with CUDA and on machines with that GPU).

@@ -1,6 +1,5 @@
-// The cuda backend. Each calling thread works on its own per-thread default stream, so
-// concurrent requests overlap on the device; every call synchronizes that stream before it
-// returns.
+// The cuda backend: device memory, pinned host staging, the CUDA kernels on a pool of
+// streams (one per Submit in flight, so concurrent requests overlap on the device).
 #include "backend/cuda_backend.h"
 
 #include <cuda_runtime_api.h>
@@ -10,168 +9,228 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "common/errors.h"
+#include "kvferry/kernels/cuda_compressor.h"
 #include "kvferry/kernels/cuda_ops.h"
 #include "kvferry/kernels/status_macros.h"
 
 namespace kvferry::server {
 namespace {
 
-using cuda::CudaStatus;
+absl::Status DeviceStatus(cudaError_t error, const char* what) {
+  return WithReason(cuda::CudaStatus(error, what), ErrorReason::kDeviceError);
+}
 
-class CudaBackend final : public Backend {
+// Blocks of one memory kind, cached by power-of-two size instead of freed: cudaFree and
+// cudaFreeHost synchronize the device, and request staging comes and goes all the time.
+class BlockCache {
+ public:
+  static constexpr size_t kMaxCachedBlock = size_t{64} << 20;
+  static constexpr size_t kMaxCachedBytes = size_t{1} << 30;
+
+  // Rounds a small request up to its bucket and returns a cached block of it, or null.
+  void* Take(size_t& bytes) {
+    if (bytes > kMaxCachedBlock) return nullptr;
+    size_t rounded = 256;
+    while (rounded < bytes) rounded <<= 1;
+    bytes = rounded;
+    absl::MutexLock lock(&mu_);
+    auto& blocks = blocks_[rounded];
+    if (blocks.empty()) return nullptr;
+    void* ptr = blocks.back();
+    blocks.pop_back();
+    cached_ -= rounded;
+    return ptr;
+  }
+  // True when the block was kept.
+  bool Put(void* ptr, size_t bytes) {
+    if (bytes > kMaxCachedBlock) return false;
+    absl::MutexLock lock(&mu_);
+    if (cached_ + bytes > kMaxCachedBytes) return false;
+    blocks_[bytes].push_back(ptr);
+    cached_ += bytes;
+    return true;
+  }
+  size_t cached() {
+    absl::MutexLock lock(&mu_);
+    return cached_;
+  }
+  std::vector<void*> Drain() {
+    absl::MutexLock lock(&mu_);
+    std::vector<void*> all;
+    for (auto& [size, blocks] : blocks_) {
+      all.insert(all.end(), blocks.begin(), blocks.end());
+      blocks.clear();
+    }
+    cached_ = 0;
+    return all;
+  }
+
+ private:
+  absl::Mutex mu_;
+  absl::flat_hash_map<size_t, std::vector<void*>> blocks_ ABSL_GUARDED_BY(mu_);
+  size_t cached_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+class CudaBackend;
+
+struct Launcher {
+  cudaStream_t stream;
+  absl::Status operator()(const CopyOp& op) const {
+    if (op.bytes == 0) return absl::OkStatus();
+    return DeviceStatus(cudaMemcpyAsync(op.dst, op.src, op.bytes, cudaMemcpyDefault, stream),
+                        "cudaMemcpyAsync");
+  }
+  absl::Status operator()(const FillZeroOp& op) const {
+    if (op.bytes == 0) return absl::OkStatus();
+    return DeviceStatus(cudaMemsetAsync(op.dst, 0, op.bytes, stream), "cudaMemsetAsync");
+  }
+  absl::Status operator()(const QuantizeStoreParams& p) const {
+    return cuda::QuantizeStore(p, stream);
+  }
+  absl::Status operator()(const DequantizeGatherParams& p) const {
+    return cuda::DequantizeGather(p, stream);
+  }
+  absl::Status operator()(const TranscodeParams& p) const { return cuda::Transcode(p, stream); }
+  absl::Status operator()(const GatherPagesOp& op) const {
+    return cuda::GatherPages(op.params, stream);
+  }
+  absl::Status operator()(const ScatterPagesOp& op) const {
+    return cuda::ScatterPages(op.params, stream);
+  }
+  absl::Status operator()(const ZeroPagesOp& op) const { return cuda::ZeroPages(op.params, stream); }
+  absl::Status operator()(const CompressOp& op) const { return cuda::Compress(op.params, stream); }
+};
+
+class CudaBackend final : public Backend, public std::enable_shared_from_this<CudaBackend> {
  public:
   explicit CudaBackend(int index) : index_(index), device_(absl::StrCat("cuda:", index)) {}
-  ~CudaBackend() override { DropCache(); }
+  ~CudaBackend() override {
+    DropCaches();
+    cudaSetDevice(index_);
+    absl::MutexLock lock(&streams_mu_);
+    for (cudaStream_t s : streams_) cudaStreamDestroy(s);
+  }
 
   const std::string& device() const override { return device_; }
 
   absl::StatusOr<uint64_t> FreeBytes() override {
     KVF_RETURN_IF_ERROR(UseDevice());
     size_t free_bytes = 0, total = 0;
-    KVF_RETURN_IF_ERROR(CudaStatus(cudaMemGetInfo(&free_bytes, &total), "cudaMemGetInfo"));
+    KVF_RETURN_IF_ERROR(DeviceStatus(cudaMemGetInfo(&free_bytes, &total), "cudaMemGetInfo"));
     return free_bytes;
   }
 
-  absl::StatusOr<DeviceMemory> Allocate(size_t bytes, bool zero) override {
-    void* ptr = TakeCached(bytes);
+  absl::StatusOr<Buffer> Allocate(size_t bytes, MemoryKind kind, bool zero) override {
+    KVF_RETURN_IF_ERROR(UseDevice());
+    BlockCache& cache = kind == MemoryKind::kDevice ? device_cache_ : host_cache_;
+    void* ptr = cache.Take(bytes);
     if (ptr == nullptr) {
-      KVF_ASSIGN_OR_RETURN(const uint64_t free_bytes, FreeBytes());
-      if (bytes > free_bytes) DropCache();  // cached blocks may be what is missing
-      if (bytes > free_bytes + cached_bytes()) {
-        return absl::ResourceExhaustedError(absl::StrCat(device_, ": ", bytes,
-                                                         " bytes requested, ", free_bytes,
-                                                         " bytes free"));
+      if (kind == MemoryKind::kDevice) {
+        KVF_ASSIGN_OR_RETURN(const uint64_t free_bytes, FreeBytes());
+        if (bytes > free_bytes) DropCaches();  // cached blocks may be what is missing
+        if (bytes > free_bytes + cache.cached()) {
+          return Error(absl::StatusCode::kResourceExhausted, ErrorReason::kDeviceOutOfMemory,
+                       absl::StrCat(device_, ": ", bytes, " bytes requested, ", free_bytes,
+                                    " bytes free"));
+        }
       }
-      const cudaError_t error = cudaMalloc(&ptr, bytes == 0 ? 1 : bytes);
+      const cudaError_t error = kind == MemoryKind::kDevice
+                                    ? cudaMalloc(&ptr, bytes == 0 ? 1 : bytes)
+                                    : cudaHostAlloc(&ptr, bytes == 0 ? 1 : bytes, cudaHostAllocPortable);
       if (error != cudaSuccess) {
         cudaGetLastError();
-        return absl::ResourceExhaustedError(absl::StrCat(
-            device_, ": cudaMalloc of ", bytes, " bytes: ", cudaGetErrorString(error)));
+        return Error(absl::StatusCode::kResourceExhausted, ErrorReason::kDeviceOutOfMemory,
+                     absl::StrCat(device_, kind == MemoryKind::kDevice ? ": cudaMalloc of " : ": cudaHostAlloc of ",
+                                  bytes, " bytes: ", cudaGetErrorString(error)));
       }
     }
-    DeviceMemory memory(this, ptr, bytes);
-    if (zero) {
-      KVF_RETURN_IF_ERROR(
-          CudaStatus(cudaMemsetAsync(ptr, 0, bytes, cudaStreamPerThread), "zero-fill"));
-      KVF_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(cudaStreamPerThread), "zero-fill"));
+    Buffer buffer(this, kind, ptr, bytes);
+    if (zero) KVF_RETURN_IF_ERROR(Run(FillZeroOp{ptr, bytes}));
+    return buffer;
+  }
+
+  absl::StatusOr<Completion> Submit(std::span<const Op> ops) override {
+    KVF_RETURN_IF_ERROR(UseDevice());
+    KVF_ASSIGN_OR_RETURN(cudaStream_t stream, TakeStream());
+    const Launcher launch{stream};
+    for (const Op& op : ops) {
+      if (absl::Status s = std::visit(launch, op); !s.ok()) {
+        // Ops before the failing one may still be running: let them finish before the
+        // stream is reused, and report the launch error.
+        cudaStreamSynchronize(stream);
+        GiveStream(stream);
+        return WithReason(s, ErrorReason::kDeviceError);
+      }
     }
-    return memory;
-  }
-
-  absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
-    return Copy(dst, src, bytes, cudaMemcpyHostToDevice);
-  }
-  absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
-    return Copy(dst, src, bytes, cudaMemcpyDeviceToHost);
-  }
-  absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes) override {
-    return Copy(dst, src, bytes, cudaMemcpyDeviceToDevice);
-  }
-
-  absl::Status Zero(void* dst, size_t bytes) override {
-    if (bytes == 0) return absl::OkStatus();
-    KVF_RETURN_IF_ERROR(UseDevice());
-    KVF_RETURN_IF_ERROR(
-        CudaStatus(cudaMemsetAsync(dst, 0, bytes, cudaStreamPerThread), "cudaMemsetAsync"));
-    return CudaStatus(cudaStreamSynchronize(cudaStreamPerThread), "zero");
-  }
-
-  absl::Status QuantizeStore(const PoolGeometry& g, uint8_t* pool, const uint16_t* rows,
-                             const int64_t* locs, int64_t n) override {
-    KVF_RETURN_IF_ERROR(UseDevice());
-    return Finish(cuda::QuantizeStore({g, rows, locs, n, pool}, cudaStreamPerThread));
-  }
-  absl::Status DequantizeGather(const PoolGeometry& g, const uint8_t* pool, const int64_t* locs,
-                                int64_t n, uint16_t* out) override {
-    KVF_RETURN_IF_ERROR(UseDevice());
-    return Finish(cuda::DequantizeGather({g, pool, locs, n, out, kHeadDim}, cudaStreamPerThread));
-  }
-  absl::Status Transcode(const PoolGeometry& from, const uint8_t* src, const PoolGeometry& to,
-                         uint8_t* dst, const int64_t* locs, int64_t n) override {
-    KVF_RETURN_IF_ERROR(UseDevice());
-    return Finish(cuda::Transcode({from, src, to, dst, locs, n}, cudaStreamPerThread));
-  }
-  absl::Status GatherPages(const PageCopyGeometry& g, const uint8_t* pool, const int64_t* pages,
-                           int64_t n, uint8_t* buffer) override {
-    KVF_RETURN_IF_ERROR(UseDevice());
-    return Finish(cuda::GatherPages({g, const_cast<uint8_t*>(pool), pages, n, buffer},
-                                    cudaStreamPerThread));
+    return Completion(std::make_unique<StreamCompletion>(this, stream));
   }
 
  protected:
-  // Small blocks (request staging and scratch) go back to a cache instead of cudaFree,
-  // which synchronizes the device; pools and large blocks are freed at once.
-  void Release(void* ptr, size_t bytes) override {
-    if (bytes <= kMaxCachedBlock) {
-      absl::MutexLock lock(&cache_mu_);
-      if (cached_ + bytes <= kMaxCachedBytes) {
-        cache_[bytes].push_back(ptr);
-        cached_ += bytes;
-        return;
-      }
-    }
+  void Release(MemoryKind kind, void* ptr, size_t bytes) override {
+    BlockCache& cache = kind == MemoryKind::kDevice ? device_cache_ : host_cache_;
+    if (cache.Put(ptr, bytes)) return;
     cudaSetDevice(index_);
-    cudaFree(ptr);
+    if (kind == MemoryKind::kDevice) {
+      cudaFree(ptr);
+    } else {
+      cudaFreeHost(ptr);
+    }
   }
 
  private:
-  static constexpr size_t kMaxCachedBlock = size_t{64} << 20;
-  static constexpr size_t kMaxCachedBytes = size_t{1} << 30;
+  class StreamCompletion final : public Completion::Impl {
+   public:
+    StreamCompletion(CudaBackend* backend, cudaStream_t stream) : backend_(backend), stream_(stream) {}
+    absl::Status Wait() override {
+      cudaSetDevice(backend_->index_);
+      const absl::Status s = DeviceStatus(cudaStreamSynchronize(stream_), "device op");
+      backend_->GiveStream(stream_);
+      return s;
+    }
+    bool Ready() override { return cudaStreamQuery(stream_) != cudaErrorNotReady; }
 
-  // Rounds a small request up to a power of two (its cache bucket) and returns a cached
-  // block of that size, or null.
-  void* TakeCached(size_t& bytes) {
-    if (bytes > kMaxCachedBlock) return nullptr;
-    size_t rounded = 256;
-    while (rounded < bytes) rounded <<= 1;
-    bytes = rounded;
-    absl::MutexLock lock(&cache_mu_);
-    auto& blocks = cache_[rounded];
-    void* ptr = nullptr;
-    if (!blocks.empty()) {
-      ptr = blocks.back();
-      blocks.pop_back();
-      cached_ -= rounded;
+   private:
+    CudaBackend* const backend_;
+    const cudaStream_t stream_;
+  };
+
+  absl::StatusOr<cudaStream_t> TakeStream() {
+    {
+      absl::MutexLock lock(&streams_mu_);
+      if (!idle_.empty()) {
+        cudaStream_t s = idle_.back();
+        idle_.pop_back();
+        return s;
+      }
     }
-    return ptr;
+    cudaStream_t s;
+    KVF_RETURN_IF_ERROR(
+        DeviceStatus(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate"));
+    absl::MutexLock lock(&streams_mu_);
+    streams_.push_back(s);
+    return s;
   }
-  size_t cached_bytes() {
-    absl::MutexLock lock(&cache_mu_);
-    return cached_;
+  void GiveStream(cudaStream_t s) {
+    absl::MutexLock lock(&streams_mu_);
+    idle_.push_back(s);
   }
-  void DropCache() {
-    absl::MutexLock lock(&cache_mu_);
+
+  void DropCaches() {
     cudaSetDevice(index_);
-    for (auto& [size, blocks] : cache_) {
-      for (void* p : blocks) cudaFree(p);
-      blocks.clear();
-    }
-    cached_ = 0;
+    for (void* p : device_cache_.Drain()) cudaFree(p);
+    for (void* p : host_cache_.Drain()) cudaFreeHost(p);
   }
 
   // Makes this backend's device current on the calling thread.
-  absl::Status UseDevice() { return CudaStatus(cudaSetDevice(index_), "cudaSetDevice"); }
-
-  absl::Status Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
-    if (bytes == 0) return absl::OkStatus();
-    KVF_RETURN_IF_ERROR(UseDevice());
-    KVF_RETURN_IF_ERROR(
-        CudaStatus(cudaMemcpyAsync(dst, src, bytes, kind, cudaStreamPerThread), "cudaMemcpyAsync"));
-    KVF_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(cudaStreamPerThread), "copy"));
-    return absl::OkStatus();
-  }
-
-  // Waits for a launched op; a launch error is returned as is.
-  absl::Status Finish(absl::Status launched) {
-    if (!launched.ok()) return launched;
-    return CudaStatus(cudaStreamSynchronize(cudaStreamPerThread), "kernel");
-  }
+  absl::Status UseDevice() { return DeviceStatus(cudaSetDevice(index_), "cudaSetDevice"); }
 
   const int index_;
   const std::string device_;
-  absl::Mutex cache_mu_;
-  absl::flat_hash_map<size_t, std::vector<void*>> cache_ ABSL_GUARDED_BY(cache_mu_);
-  size_t cached_ ABSL_GUARDED_BY(cache_mu_) = 0;
+  BlockCache device_cache_, host_cache_;
+  absl::Mutex streams_mu_;
+  std::vector<cudaStream_t> streams_ ABSL_GUARDED_BY(streams_mu_);  // every stream made
+  std::vector<cudaStream_t> idle_ ABSL_GUARDED_BY(streams_mu_);
 };
 
 }  // namespace
@@ -188,8 +247,9 @@ int CudaDeviceCount() {
 absl::StatusOr<std::shared_ptr<Backend>> MakeCudaBackend(int device_index) {
   const int count = CudaDeviceCount();
   if (device_index >= count) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "device cuda:", device_index, " does not exist (", count, " CUDA devices here)"));
+    return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kUnknownDevice,
+                 absl::StrCat("device cuda:", device_index, " does not exist (", count,
+                              " CUDA devices here)"));
   }
   return std::make_shared<CudaBackend>(device_index);
 }

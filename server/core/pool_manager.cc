@@ -1,76 +1,116 @@
-// PoolManager: named pools on their backends.
+// PoolManager: named pools on their backends, incarnations, totals.
 #include "core/pool_manager.h"
 
 #include <algorithm>
+#include <random>
 
 #include "absl/strings/str_cat.h"
+#include "common/errors.h"
 #include "kvferry/kernels/status_macros.h"
 
 namespace kvferry::server {
-namespace {
 
-absl::Status ValidateName(const std::string& name) {
-  if (name.empty() || name.size() > 128) {
-    return absl::InvalidArgumentError("pool name must have 1 to 128 characters");
-  }
-  for (char c : name) {
-    if (!(std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.' || c == '-')) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("pool name '", name, "' may only use letters, digits, '_', '.', '-'"));
-    }
-  }
-  return absl::OkStatus();
+PoolManager::PoolManager(PoolManagerOptions options) : options_(std::move(options)) {
+  // Incarnations start at a random point per daemon lifetime, so that a handle kept across
+  // a restart is (almost surely) refused by a new pool of the same name as well.
+  std::random_device random;
+  absl::MutexLock lock(&mu_);
+  next_incarnation_ = 1 + random() % (kMaxIncarnation - 1);
 }
 
-}  // namespace
-
 absl::StatusOr<std::shared_ptr<Backend>> PoolManager::BackendFor(const std::string& device) {
-  auto it = backends_.find(device);
-  if (it != backends_.end()) return it->second;
-  KVF_ASSIGN_OR_RETURN(std::shared_ptr<Backend> backend, MakeBackend(device));
-  backends_[device] = backend;
-  return backend;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = backends_.find(device);
+    if (it != backends_.end()) return it->second;
+  }
+  KVF_ASSIGN_OR_RETURN(std::shared_ptr<Backend> backend,
+                       options_.make_backend ? options_.make_backend(device) : MakeBackend(device));
+  absl::MutexLock lock(&mu_);
+  return backends_.try_emplace(device, std::move(backend)).first->second;
 }
 
 absl::StatusOr<std::shared_ptr<Pool>> PoolManager::Create(PoolConfig config,
                                                           const std::string& device) {
-  KVF_RETURN_IF_ERROR(ValidateName(config.name));
-  absl::MutexLock lock(&mu_);
-  if (pools_.contains(config.name)) {
-    return absl::AlreadyExistsError(absl::StrCat("pool '", config.name, "' already exists"));
+  KVF_RETURN_IF_ERROR(Pool::ValidateConfig(config));
+  uint64_t incarnation;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!pools_.try_emplace(config.name, nullptr).second) {
+      return Error(absl::StatusCode::kAlreadyExists, ErrorReason::kPoolExists,
+                   absl::StrCat("pool '", config.name, "' already exists"));
+    }
+    incarnation = next_incarnation_;
+    next_incarnation_ = next_incarnation_ % kMaxIncarnation + 1;
   }
-  KVF_ASSIGN_OR_RETURN(std::shared_ptr<Backend> backend,
-                       BackendFor(device.empty() ? options_.default_device : device));
-  KVF_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool,
-                       Pool::Create(config, std::move(backend), options_.observer));
-  pools_[config.name] = pool;
+  // Built outside the lock: a large zero-fill must not stall every other request.
+  absl::StatusOr<std::shared_ptr<Pool>> pool = [&]() -> absl::StatusOr<std::shared_ptr<Pool>> {
+    KVF_ASSIGN_OR_RETURN(std::shared_ptr<Backend> backend,
+                         BackendFor(device.empty() ? options_.default_device : device));
+    return Pool::Create(config, std::move(backend), incarnation, options_.observer);
+  }();
+  absl::MutexLock lock(&mu_);
+  if (!pool.ok()) {
+    pools_.erase(config.name);
+    return pool.status();
+  }
+  pools_[config.name] = *pool;
   return pool;
 }
 
 absl::StatusOr<std::shared_ptr<Pool>> PoolManager::Get(const std::string& name) const {
   absl::ReaderMutexLock lock(&mu_);
   auto it = pools_.find(name);
-  if (it == pools_.end()) return absl::NotFoundError(absl::StrCat("no pool named '", name, "'"));
+  if (it == pools_.end() || it->second == nullptr) {
+    return Error(absl::StatusCode::kNotFound, ErrorReason::kPoolNotFound,
+                 name.size() <= 128 ? absl::StrCat("no pool named '", name, "'")
+                                    : std::string("no pool of that name"));
+  }
   return it->second;
 }
 
 absl::Status PoolManager::Delete(const std::string& name) {
-  std::shared_ptr<Pool> dropped;  // freed outside the lock
-  absl::MutexLock lock(&mu_);
-  auto it = pools_.find(name);
-  if (it == pools_.end()) return absl::NotFoundError(absl::StrCat("no pool named '", name, "'"));
-  dropped = std::move(it->second);
-  pools_.erase(it);
+  std::shared_ptr<Pool> dropped;  // freed outside the lock, when its last user finishes
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = pools_.find(name);
+    if (it == pools_.end() || it->second == nullptr) {
+      return Error(absl::StatusCode::kNotFound, ErrorReason::kPoolNotFound,
+                   name.size() <= 128 ? absl::StrCat("no pool named '", name, "'")
+                                      : std::string("no pool of that name"));
+    }
+    dropped = std::move(it->second);
+    pools_.erase(it);
+  }
+  dropped->MarkDeleted();
   return absl::OkStatus();
 }
 
 std::vector<std::shared_ptr<Pool>> PoolManager::List() const {
-  absl::ReaderMutexLock lock(&mu_);
   std::vector<std::shared_ptr<Pool>> pools;
-  for (const auto& [name, pool] : pools_) pools.push_back(pool);
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    for (const auto& [name, pool] : pools_) {
+      if (pool != nullptr) pools.push_back(pool);
+    }
+  }
   std::sort(pools.begin(), pools.end(),
             [](const auto& a, const auto& b) { return a->config().name < b->config().name; });
   return pools;
+}
+
+DaemonStats PoolManager::Stats() const {
+  DaemonStats out;
+  for (const auto& pool : List()) {
+    PoolStats s = pool->Stats();
+    out.tokens_held += s.tokens_held;
+    out.records_held += s.records_held;
+    out.bytes_saved_vs_bf16 += s.bytes_saved_vs_bf16;
+    out.bytes_saved_vs_v4 += s.bytes_saved_vs_v4;
+    out.pool_bytes += s.pool_bytes;
+    out.pools.push_back(std::move(s));
+  }
+  return out;
 }
 
 void PoolManager::Clear() {
@@ -78,6 +118,9 @@ void PoolManager::Clear() {
   {
     absl::MutexLock lock(&mu_);
     dropped.swap(pools_);
+  }
+  for (auto& [name, pool] : dropped) {
+    if (pool != nullptr) pool->MarkDeleted();
   }
 }
 

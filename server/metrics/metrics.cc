@@ -103,7 +103,7 @@ DaemonMetrics::DaemonMetrics(std::function<std::vector<PoolStats>()> pools)
             {"method", "code"}),
       rpc_latency_("kvferry_rpc_latency_seconds", "RPC latency by method and status code, in seconds.",
                    {"method", "code"}, LatencyBounds()),
-      errors_("kvferry_errors_total", "Failed RPCs by method and reason (the status code).",
+      errors_("kvferry_errors_total", "Failed RPCs by method and error reason (the status code where none).",
               {"method", "reason"}),
       bytes_received_("kvferry_bytes_received_total", "Request message bytes by method.",
                       {"method"}),
@@ -111,13 +111,15 @@ DaemonMetrics::DaemonMetrics(std::function<std::vector<PoolStats>()> pools)
       kernel_seconds_("kvferry_kernel_seconds", "Device op time by op and layout, in seconds.",
                       {"op", "layout"}, LatencyBounds()) {}
 
-void DaemonMetrics::RecordRpc(const std::string& method, const std::string& code, double seconds) {
+void DaemonMetrics::RecordRpc(const std::string& method, const std::string& code,
+                              const std::string& reason, double seconds) {
   rpcs_.Add({method, code}, 1);
   rpc_latency_.Observe({method, code}, seconds);
   if (code != "OK") {
-    std::string reason = code;
-    for (char& c : reason) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-    errors_.Add({method, reason}, 1);
+    // The error reason, or the status code where there is none (gRPC's own errors).
+    std::string label = reason.empty() ? code : reason;
+    for (char& c : label) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    errors_.Add({method, label}, 1);
   }
 }
 
@@ -145,7 +147,7 @@ std::string DaemonMetrics::Render() const {
   };
   simple("kvferry_pool_pages_used", "Allocated pages.", [](const PoolStats& p) { return p.pages_used; });
   simple("kvferry_pool_pages_free", "Free pages.",
-         [](const PoolStats& p) { return p.num_pages - p.pages_used; });
+         [](const PoolStats& p) { return p.pages_free; });
   simple("kvferry_pool_tokens", "Token slots written in at least one layer.",
          [](const PoolStats& p) { return p.tokens_held; });
   simple("kvferry_pool_records", "Token x layer records written.",
@@ -189,6 +191,12 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::s
   const std::string host = address.substr(0, colon);
   std::unique_ptr<MetricsServer> server(new MetricsServer());
   server->http_ = std::make_unique<httplib::Server>();
+  // SO_REUSEADDR only: httplib's default adds SO_REUSEPORT, which lets a second daemon bind
+  // the same port and take half of the scrapes.
+  server->http_->set_socket_options([](socket_t sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, reinterpret_cast<void*>(&yes), sizeof(yes));
+  });
   server->http_->Get("/metrics", [metrics](const httplib::Request&, httplib::Response& res) {
     res.set_content(metrics->Render(), "text/plain; version=0.0.4; charset=utf-8");
   });
@@ -202,7 +210,8 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::s
     }
   } else {
     if (!server->http_->bind_to_port(host, port)) {
-      return absl::UnavailableError(absl::StrCat("cannot listen for metrics on ", address));
+      return absl::UnavailableError(absl::StrCat("cannot listen for metrics on ", address,
+                                                 ": address in use or not available"));
     }
     server->port_ = port;
   }

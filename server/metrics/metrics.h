@@ -15,7 +15,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "core/pool.h"
+#include "core/types.h"
 
 namespace httplib {
 class Server;
@@ -66,8 +66,10 @@ class DaemonMetrics : public OpObserver {
  public:
   explicit DaemonMetrics(std::function<std::vector<PoolStats>()> pools);
 
-  // One finished RPC: method name, status code name (e.g. "OK", "INVALID_ARGUMENT").
-  void RecordRpc(const std::string& method, const std::string& code, double seconds);
+  // One finished RPC: method name, status code name (e.g. "OK", "INVALID_ARGUMENT") and, for
+  // errors, the reason name ("STALE_PAGE_HANDLE"; empty when the error has none).
+  void RecordRpc(const std::string& method, const std::string& code, const std::string& reason,
+                 double seconds);
   void RecordBytes(const std::string& method, uint64_t received, uint64_t sent);
   void RecordOp(const char* op, Layout layout, double seconds) override;
 

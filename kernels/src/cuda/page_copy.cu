@@ -56,6 +56,43 @@ absl::Status LaunchPageCopy(const PageCopyParams& p, cudaStream_t stream) {
                       p.pages, g.num_layers, g.num_pages, g.page_bytes, p.buffer);
 }
 
+// One block per (listed page, layer): zeroes page_bytes / sizeof(Word) words.
+template <typename Word>
+__global__ void __launch_bounds__(kCopyThreads)
+    PageZeroKernel(uint8_t* __restrict__ pool, const int64_t* __restrict__ pages,
+                   int num_layers, int64_t num_pages, int64_t page_bytes) {
+  WaitForPrerequisiteGrid();
+  AllowDependentGridLaunch();
+  const int64_t unit = blockIdx.x;  // listed * num_layers + layer
+  const int64_t listed = unit / num_layers;
+  const int64_t layer = unit - listed * num_layers;
+  const int64_t page = __ldg(pages + listed);
+  if (page < 0 || page >= num_pages) return;
+  Word* pool_page = reinterpret_cast<Word*>(pool + (layer * num_pages + page) * page_bytes);
+  const int64_t words = page_bytes / static_cast<int64_t>(sizeof(Word));
+  for (int64_t i = threadIdx.x; i < words; i += kCopyThreads) pool_page[i] = Word{};
+}
+
+absl::Status LaunchPageZero(const PageCopyParams& p, cudaStream_t stream) {
+  const PageCopyGeometry& g = p.geometry;
+  KVF_RETURN_IF_ERROR(ValidatePageCopyGeometry(g));
+  if (p.num_listed < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("negative page count ", p.num_listed));
+  }
+  if (p.num_listed == 0) return absl::OkStatus();
+  if (p.pool == nullptr || p.pages == nullptr) {
+    return absl::InvalidArgumentError("page zeroing needs pool and pages pointers");
+  }
+  const int64_t units = p.num_listed * g.num_layers;
+  if (units > int64_t{0x7FFFFFFF}) {
+    return absl::InvalidArgumentError(absl::StrCat(units, " page-layers in one launch is too many"));
+  }
+  const bool aligned = g.page_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(p.pool) % 16 == 0;
+  return LaunchKernel(aligned ? PageZeroKernel<uint4> : PageZeroKernel<uint8_t>, units,
+                      kCopyThreads, stream, "PageZeroKernel", p.pool, p.pages, g.num_layers,
+                      g.num_pages, g.page_bytes);
+}
+
 }  // namespace
 }  // namespace kvferry::cuda::detail
 
@@ -67,6 +104,10 @@ absl::Status GatherPages(const PageCopyParams& params, cudaStream_t stream) {
 
 absl::Status ScatterPages(const PageCopyParams& params, cudaStream_t stream) {
   return detail::LaunchPageCopy<false>(params, stream);
+}
+
+absl::Status ZeroPages(const PageCopyParams& params, cudaStream_t stream) {
+  return detail::LaunchPageZero(params, stream);
 }
 
 }  // namespace kvferry::cuda

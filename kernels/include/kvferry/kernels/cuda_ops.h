@@ -17,50 +17,29 @@
 
 #include "absl/status/status.h"
 #include "kvferry/kernels/format.h"
+#include "kvferry/kernels/op_params.h"
 #include "kvferry/kernels/ops.h"
 
 namespace kvferry::cuda {
 
-struct QuantizeStoreParams {
-  PoolGeometry geometry;
-  const uint16_t* rows = nullptr;  // [num_tokens, 512] bf16, 16-byte aligned
-  const int64_t* locs = nullptr;   // [num_tokens] token locations, unique
-  int64_t num_tokens = 0;
-  uint8_t* pool = nullptr;         // geometry.pool_bytes(), 16-byte aligned
-};
+// The params structs live in op_params.h (shared with the CPU reference and the backends).
+using kvferry::DequantizeGatherParams;
+using kvferry::PageCopyParams;
+using kvferry::QuantizeStoreParams;
+using kvferry::TranscodeParams;
+
 absl::Status QuantizeStore(const QuantizeStoreParams& params, cudaStream_t stream);
 
-struct DequantizeGatherParams {
-  PoolGeometry geometry;
-  const uint8_t* pool = nullptr;   // geometry.pool_bytes(), 16-byte aligned
-  const int64_t* locs = nullptr;   // [num_tokens], repeats allowed
-  int64_t num_tokens = 0;
-  uint16_t* out = nullptr;         // row i at out[i * out_row_stride .. +512), bf16
-  int64_t out_row_stride = kHeadDim;  // elements, >= 512; any value (aligned ones are faster)
-};
 absl::Status DequantizeGather(const DequantizeGatherParams& params, cudaStream_t stream);
 
-struct TranscodeParams {
-  PoolGeometry from;
-  const uint8_t* src = nullptr;    // from.pool_bytes()
-  PoolGeometry to;
-  uint8_t* dst = nullptr;          // to.pool_bytes(); must not overlap src
-  const int64_t* locs = nullptr;   // [num_tokens], unique, in range of both pools
-  int64_t num_tokens = 0;
-};
 absl::Status Transcode(const TranscodeParams& params, cudaStream_t stream);
 
-struct PageCopyParams {
-  PageCopyGeometry geometry;       // pool = [num_layers][num_pages][page_bytes]
-  uint8_t* pool = nullptr;
-  const int64_t* pages = nullptr;  // [num_listed] page ids (unique for scatter)
-  int64_t num_listed = 0;
-  uint8_t* buffer = nullptr;       // [num_listed][num_layers][page_bytes]
-};
 // pool pages → buffer.
 absl::Status GatherPages(const PageCopyParams& params, cudaStream_t stream);
 // buffer → pool pages.
 absl::Status ScatterPages(const PageCopyParams& params, cudaStream_t stream);
+// Zero every layer of the listed pages (params.buffer unused).
+absl::Status ZeroPages(const PageCopyParams& params, cudaStream_t stream);
 
 // Maps a CUDA error to a Status (OK for cudaSuccess); `what` names the failed step.
 absl::Status CudaStatus(cudaError_t error, const char* what);

@@ -4,8 +4,13 @@
 #include <spdlog/spdlog.h>
 
 #include <string>
+#include <string_view>
 
 namespace kvferry::server::log {
+
+// A client-chosen string made safe for one log line: control characters, quotes and
+// backslashes escaped, at most 128 bytes kept (then "..."), in double quotes.
+std::string Quoted(std::string_view text);
 
 // Sets the level from "trace", "debug", "info", "warn", "error" or "off"; false if unknown.
 bool Init(const std::string& level);

@@ -1,27 +1,23 @@
-// The gRPC face of kvferryd: thin handlers that translate messages, call the core, and map
-// its status to a gRPC status once. Also the interceptor that feeds the RPC metrics.
+// The gRPC face of the pools (kvferry.v1.KvFerry): thin handlers that convert the request,
+// call the core, and map its status once. Message chunking of reads happens here.
 #pragma once
 
 #include <grpcpp/grpcpp.h>
-#include <grpcpp/support/server_interceptor.h>
 
 #include <memory>
 
 #include "core/pool_manager.h"
+#include "core/staged_write.h"
 #include "kvferry/v1/kvferry.grpc.pb.h"
-#include "metrics/metrics.h"
 
 namespace kvferry::server {
 
 struct ServiceOptions {
   int64_t default_chunk_bytes = 1 << 20;  // read stream pieces when the request says 0
   int64_t max_chunk_bytes = 1 << 20;      // a request asking for more gets this
-  int64_t max_write_tokens = 1 << 20;     // tokens one WriteTokens may stage
-  int64_t max_write_bytes = int64_t{1} << 30;  // page bytes one WritePages may stage
+  WriteLimits write_limits;               // per WriteTokens / WritePages call
+  int64_t max_pages_per_call = 65536;     // AllocatePages count: its reply must fit a message
 };
-
-// absl → gRPC, one explicit switch.
-grpc::Status ToGrpcStatus(const absl::Status& status);
 
 class KvFerryService final : public kvferry::v1::KvFerry::Service {
  public:
@@ -54,18 +50,6 @@ class KvFerryService final : public kvferry::v1::KvFerry::Service {
 
   PoolManager* const pools_;
   const ServiceOptions options_;
-};
-
-// Counts every RPC (method, status code, latency, message bytes) into DaemonMetrics.
-class MetricsInterceptorFactory final
-    : public grpc::experimental::ServerInterceptorFactoryInterface {
- public:
-  explicit MetricsInterceptorFactory(DaemonMetrics* metrics) : metrics_(metrics) {}
-  grpc::experimental::Interceptor* CreateServerInterceptor(
-      grpc::experimental::ServerRpcInfo* info) override;
-
- private:
-  DaemonMetrics* const metrics_;
 };
 
 }  // namespace kvferry::server

@@ -1,0 +1,49 @@
+// Params of the KV ops, shared by every executor of them (CPU reference, CUDA launchers,
+// the daemon's backends): plain structs of pointers and shapes, no device headers.
+//
+// Every pointer is memory the executor can address: host memory for the CPU, device (or
+// device-mapped) memory for CUDA. Shapes are written next to pointers.
+#pragma once
+
+#include <cstdint>
+
+#include "kvferry/kernels/format.h"
+#include "kvferry/kernels/ops.h"
+
+namespace kvferry {
+
+struct QuantizeStoreParams {
+  PoolGeometry geometry;
+  const uint16_t* rows = nullptr;  // [num_tokens, 512] bf16, 16-byte aligned
+  const int64_t* locs = nullptr;   // [num_tokens] token locations, unique
+  int64_t num_tokens = 0;
+  uint8_t* pool = nullptr;         // geometry.pool_bytes(), 16-byte aligned
+};
+
+struct DequantizeGatherParams {
+  PoolGeometry geometry;
+  const uint8_t* pool = nullptr;   // geometry.pool_bytes(), 16-byte aligned
+  const int64_t* locs = nullptr;   // [num_tokens], repeats allowed
+  int64_t num_tokens = 0;
+  uint16_t* out = nullptr;         // row i at out[i * out_row_stride .. +512), bf16
+  int64_t out_row_stride = kHeadDim;  // elements, >= 512; any value (aligned ones are faster)
+};
+
+struct TranscodeParams {
+  PoolGeometry from;
+  const uint8_t* src = nullptr;    // from.pool_bytes()
+  PoolGeometry to;
+  uint8_t* dst = nullptr;          // to.pool_bytes(); must not overlap src
+  const int64_t* locs = nullptr;   // [num_tokens], unique, in range of both pools
+  int64_t num_tokens = 0;
+};
+
+struct PageCopyParams {
+  PageCopyGeometry geometry;       // pool = [num_layers][num_pages][page_bytes]
+  uint8_t* pool = nullptr;
+  const int64_t* pages = nullptr;  // [num_listed] page ids (unique for scatter)
+  int64_t num_listed = 0;
+  uint8_t* buffer = nullptr;       // [num_listed][num_layers][page_bytes]; unused by zeroing
+};
+
+}  // namespace kvferry

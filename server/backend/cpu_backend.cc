@@ -1,0 +1,128 @@
+// The cpu backend: host memory and the CPU ops, synchronous (Submit completes the work).
+#include "backend/cpu_backend.h"
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/errors.h"
+#include "kvferry/kernels/ops.h"
+#include "kvferry/kernels/status_macros.h"
+#include "kvferry/kernels/validate.h"
+
+namespace kvferry::server {
+namespace {
+
+template <typename T>
+std::span<T> Span(T* p, int64_t count) {
+  return {p, static_cast<size_t>(count)};
+}
+
+struct HostRunner {
+  absl::Status operator()(const CopyOp& op) const {
+    if (op.bytes > 0) std::memmove(op.dst, op.src, op.bytes);
+    return absl::OkStatus();
+  }
+  absl::Status operator()(const FillZeroOp& op) const {
+    if (op.bytes > 0) std::memset(op.dst, 0, op.bytes);
+    return absl::OkStatus();
+  }
+  absl::Status operator()(const QuantizeStoreParams& p) const {
+    return reference::QuantizeStore(p.geometry, Span(p.rows, p.num_tokens * kHeadDim),
+                                    Span(p.locs, p.num_tokens),
+                                    Span(p.pool, p.geometry.pool_bytes()));
+  }
+  absl::Status operator()(const DequantizeGatherParams& p) const {
+    const int64_t out_elems =
+        p.num_tokens == 0 ? 0 : (p.num_tokens - 1) * p.out_row_stride + kHeadDim;
+    return reference::DequantizeGather(p.geometry, Span(p.pool, p.geometry.pool_bytes()),
+                                       Span(p.locs, p.num_tokens), Span(p.out, out_elems),
+                                       p.out_row_stride);
+  }
+  absl::Status operator()(const TranscodeParams& p) const {
+    return reference::Transcode(p.from, Span(p.src, p.from.pool_bytes()), p.to,
+                                Span(p.dst, p.to.pool_bytes()), Span(p.locs, p.num_tokens));
+  }
+  absl::Status operator()(const GatherPagesOp& op) const {
+    const PageCopyParams& p = op.params;
+    return reference::GatherPages(p.geometry, Span(p.pool, p.geometry.pool_bytes()),
+                                  Span(p.pages, p.num_listed),
+                                  Span(p.buffer, p.geometry.buffer_bytes(p.num_listed)));
+  }
+  absl::Status operator()(const ScatterPagesOp& op) const {
+    const PageCopyParams& p = op.params;
+    return reference::ScatterPages(p.geometry, Span(p.buffer, p.geometry.buffer_bytes(p.num_listed)),
+                                   Span(p.pages, p.num_listed),
+                                   Span(p.pool, p.geometry.pool_bytes()));
+  }
+  absl::Status operator()(const ZeroPagesOp& op) const {
+    const PageCopyParams& p = op.params;
+    const PageCopyGeometry& g = p.geometry;
+    KVF_RETURN_IF_ERROR(ValidatePageCopyGeometry(g));
+    KVF_RETURN_IF_ERROR(ValidateLocations(Span(p.pages, p.num_listed), g.num_pages,
+                                          /*unique=*/false, "page"));
+    for (int64_t i = 0; i < p.num_listed; ++i) {
+      for (int layer = 0; layer < g.num_layers; ++layer) {
+        std::memset(p.pool + (layer * g.num_pages + p.pages[i]) * g.page_bytes, 0, g.page_bytes);
+      }
+    }
+    return absl::OkStatus();
+  }
+  absl::Status operator()(const CompressOp& op) const { return reference::Compress(op.params); }
+};
+
+class CpuBackend final : public Backend {
+ public:
+  const std::string& device() const override { return device_; }
+
+  absl::StatusOr<uint64_t> FreeBytes() override {
+    const long pages = sysconf(_SC_AVPHYS_PAGES);
+    const long page_size = sysconf(_SC_PAGESIZE);
+    if (pages < 0 || page_size < 0) {
+      return Error(absl::StatusCode::kInternal, ErrorReason::kDeviceError,
+                   "cannot read free host memory");
+    }
+    return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page_size);
+  }
+
+  absl::StatusOr<Buffer> Allocate(size_t bytes, MemoryKind kind, bool zero) override {
+    KVF_ASSIGN_OR_RETURN(const uint64_t free_bytes, FreeBytes());
+    if (bytes > free_bytes) {
+      return Error(absl::StatusCode::kResourceExhausted, ErrorReason::kDeviceOutOfMemory,
+                   absl::StrCat("cpu: ", bytes, " bytes requested, ", free_bytes,
+                                " bytes of host memory free"));
+    }
+    // 64-byte alignment: the ops' vector paths and the 16-byte rule of the CUDA launchers.
+    const size_t rounded = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
+    void* ptr = std::aligned_alloc(64, rounded);
+    if (ptr == nullptr) {
+      return Error(absl::StatusCode::kResourceExhausted, ErrorReason::kDeviceOutOfMemory,
+                   absl::StrCat("cpu: cannot allocate ", bytes, " bytes"));
+    }
+    if (zero) std::memset(ptr, 0, bytes);
+    return Buffer(this, kind, ptr, bytes);
+  }
+
+  absl::StatusOr<Completion> Submit(std::span<const Op> ops) override {
+    for (const Op& op : ops) {
+      KVF_RETURN_IF_ERROR(WithReason(RunOnHost(op), ErrorReason::kDeviceError));
+    }
+    return Completion();
+  }
+
+ protected:
+  void Release(MemoryKind, void* ptr, size_t) override { std::free(ptr); }
+
+ private:
+  const std::string device_ = "cpu";
+};
+
+}  // namespace
+
+absl::Status RunOnHost(const Op& op) { return std::visit(HostRunner{}, op); }
+
+std::shared_ptr<Backend> MakeCpuBackend() { return std::make_shared<CpuBackend>(); }
+
+}  // namespace kvferry::server

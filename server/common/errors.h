@@ -1,0 +1,64 @@
+// Errors with a machine-readable reason: absl::Status plus a reason payload.
+//
+// The core raises every error through Error(); the service turns the reason into the
+// `kvferry-error-reason` trailer (proto/kvferry/v1/errors.proto lists the same names, in the
+// same order; a test holds the two lists equal).
+#pragma once
+
+#include "absl/strings/string_view.h"
+
+#include "absl/status/status.h"
+
+namespace kvferry::server {
+
+// Mirrors kvferry.v1.ErrorReason (same names, same numbers).
+enum class ErrorReason {
+  kUnspecified = 0,
+  kInvalidName,
+  kInvalidLayout,
+  kInvalidGeometry,
+  kUnknownDevice,
+  kPoolExists,
+  kPoolNotFound,
+  kPoolDeleted,
+  kPoolFull,
+  kDeviceOutOfMemory,
+  kStalePageHandle,
+  kPageOutOfRange,
+  kSlotOutOfRange,
+  kLayerOutOfRange,
+  kDuplicateLocation,
+  kDuplicatePage,
+  kDuplicateLayer,
+  kNonFiniteValue,
+  kBadRowLength,
+  kLayoutMismatch,
+  kWriteTooLarge,
+  kStreamTargetChanged,
+  kPageIncomplete,
+  kPageBytesOutOfOrder,
+  kEmptyWrite,
+  kTooManyPages,
+  kHandleGenerationChanged,
+  kInvalidRequest,
+  kDeviceError,
+  kClientCancelled,
+  kDeadlineExceeded,
+  kInternalError,
+  kShuttingDown,
+};
+inline constexpr int kNumErrorReasons = static_cast<int>(ErrorReason::kShuttingDown) + 1;
+
+// The proto name of a reason ("STALE_PAGE_HANDLE").
+const char* ReasonName(ErrorReason reason);
+
+// A status of `code` whose reason is `reason`.
+absl::Status Error(absl::StatusCode code, ErrorReason reason, absl::string_view message);
+
+// `status` with `reason` attached, unless it already has one (the innermost reason wins).
+absl::Status WithReason(absl::Status status, ErrorReason reason);
+
+// The status's reason; for a status without one, a reason derived from its code.
+ErrorReason ReasonOf(const absl::Status& status);
+
+}  // namespace kvferry::server

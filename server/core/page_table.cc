@@ -1,0 +1,270 @@
+// PageTable: free list, generations, pins, occupancy bits and deferred reclaim.
+#include "core/page_table.h"
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "common/errors.h"
+#include "kvferry/kernels/status_macros.h"
+
+namespace kvferry::server {
+
+PageTable::PageTable(std::string pool_name, int64_t num_pages, int page_size, int num_layers,
+                     uint64_t incarnation)
+    : pool_name_(std::move(pool_name)),
+      num_pages_(num_pages),
+      page_size_(page_size),
+      num_layers_(num_layers),
+      num_tokens_(num_pages * page_size),
+      incarnation_(incarnation) {
+  absl::MutexLock lock(&mu_);
+  pages_.assign(num_pages_, Page{(incarnation_ << kGenerationCountBits) | 1});
+  free_list_.resize(num_pages_);
+  // Pop order: page 0 first.
+  for (int64_t i = 0; i < num_pages_; ++i) free_list_[i] = num_pages_ - 1 - i;
+  written_.assign((num_tokens_ * num_layers_ + 63) / 64, 0);
+  slot_layers_.assign(num_tokens_, 0);
+}
+
+absl::StatusOr<std::vector<PageHandle>> PageTable::Allocate(int64_t count) {
+  if (count <= 0) {
+    return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                 absl::StrCat("page count ", count, " must be > 0"));
+  }
+  absl::MutexLock lock(&mu_);
+  if (deleted_) {
+    return Error(absl::StatusCode::kAborted, ErrorReason::kPoolDeleted,
+                 absl::StrCat("pool '", pool_name_, "' was deleted"));
+  }
+  if (count > static_cast<int64_t>(free_list_.size())) {
+    return Error(absl::StatusCode::kResourceExhausted, ErrorReason::kPoolFull,
+                 absl::StrCat("pool '", pool_name_, "' is full: ", count, " pages asked for, ",
+                              free_list_.size(), " free of ", num_pages_,
+                              reclaiming_ > 0 ? absl::StrCat(" (", reclaiming_, " being zeroed)") : ""));
+  }
+  std::vector<PageHandle> handles(count);
+  for (PageHandle& h : handles) {
+    const int64_t page = free_list_.back();
+    free_list_.pop_back();
+    pages_[page].state = State::kAllocated;
+    h = PageHandle{static_cast<uint64_t>(page), pages_[page].generation};
+  }
+  return handles;
+}
+
+absl::Status PageTable::CheckHandleLocked(const PageHandle& handle) const {
+  if (handle.page_id >= static_cast<uint64_t>(num_pages_)) {
+    return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kPageOutOfRange,
+                 absl::StrCat("page ", handle.page_id, " is outside pool '", pool_name_, "' of ",
+                              num_pages_, " pages"));
+  }
+  const Page& page = pages_[handle.page_id];
+  if (page.state != State::kAllocated || page.generation != handle.generation) {
+    // The current generation is never echoed: it is the handle of whoever holds the page.
+    const bool other_pool = (handle.generation >> kGenerationCountBits) != incarnation_;
+    return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kStalePageHandle,
+                 absl::StrCat("stale page handle: page ", handle.page_id, " generation ",
+                              handle.generation,
+                              other_pool ? " belongs to an earlier pool of this name"
+                                         : " was freed since"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PageTable::CheckHandle(const PageHandle& handle) const {
+  absl::ReaderMutexLock lock(&mu_);
+  return CheckHandleLocked(handle);
+}
+
+absl::StatusOr<std::vector<int64_t>> PageTable::Resolve(
+    std::span<const TokenLocation> locations) const {
+  std::vector<int64_t> tokens(locations.size());
+  absl::ReaderMutexLock lock(&mu_);
+  for (size_t i = 0; i < locations.size(); ++i) {
+    const TokenLocation& l = locations[i];
+    KVF_RETURN_IF_ERROR(CheckHandleLocked(l.page));
+    if (l.slot >= static_cast<uint32_t>(page_size_)) {
+      return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kSlotOutOfRange,
+                   absl::StrCat("location ", i, ": slot ", l.slot, " is outside [0, ", page_size_,
+                                ")"));
+    }
+    tokens[i] = static_cast<int64_t>(l.page.page_id) * page_size_ + l.slot;
+  }
+  return tokens;
+}
+
+absl::StatusOr<std::vector<int64_t>> PageTable::Free(std::span<const PageHandle> handles) {
+  absl::MutexLock lock(&mu_);
+  absl::flat_hash_set<uint64_t> seen;
+  for (const PageHandle& h : handles) {
+    KVF_RETURN_IF_ERROR(CheckHandleLocked(h));
+    if (!seen.insert(h.page_id).second) {
+      return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kDuplicatePage,
+                   absl::StrCat("page ", h.page_id, " is listed twice"));
+    }
+  }
+  std::vector<int64_t> to_zero;
+  for (const PageHandle& h : handles) {
+    const int64_t p = static_cast<int64_t>(h.page_id);
+    Page& page = pages_[p];
+    ForgetRecords(p);
+    ++page.generation;
+    page.state = State::kReclaiming;
+    ++reclaiming_;
+    if (page.readers == 0 && !page.writer) to_zero.push_back(p);
+  }
+  return to_zero;
+}
+
+void PageTable::Reclaimed(std::span<const int64_t> pages) {
+  absl::MutexLock lock(&mu_);
+  for (int64_t p : pages) {
+    pages_[p].state = State::kFree;
+    --reclaiming_;
+    free_list_.push_back(p);
+  }
+}
+
+absl::StatusOr<PageTable::Pin> PageTable::PinPages(std::span<const PageHandle> handles,
+                                                   bool exclusive) {
+  Pin pin;
+  pin.exclusive = exclusive;
+  absl::MutexLock lock(&mu_);
+  auto check = [&]() -> absl::Status {
+    if (deleted_) {
+      return Error(absl::StatusCode::kAborted, ErrorReason::kPoolDeleted,
+                   absl::StrCat("pool '", pool_name_, "' was deleted"));
+    }
+    for (const PageHandle& h : handles) KVF_RETURN_IF_ERROR(CheckHandleLocked(h));
+    return absl::OkStatus();
+  };
+  KVF_RETURN_IF_ERROR(check());
+  absl::flat_hash_set<int64_t> unique;
+  for (const PageHandle& h : handles) {
+    if (unique.insert(static_cast<int64_t>(h.page_id)).second) {
+      pin.pages.push_back(static_cast<int64_t>(h.page_id));
+      pin.generations.push_back(h.generation);
+    }
+  }
+  if (exclusive) {
+    // Wait until no other write holds any of these pages, then take them all at once (no
+    // partial holds, so two writers cannot deadlock). A free in the meantime fails the pin.
+    auto none_written = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+      for (int64_t p : pin.pages) {
+        if (pages_[p].writer) return false;
+      }
+      return true;
+    };
+    while (!none_written()) {
+      mu_.Await(absl::Condition(&none_written));
+      KVF_RETURN_IF_ERROR(check());
+    }
+    for (int64_t p : pin.pages) pages_[p].writer = true;
+  } else {
+    for (int64_t p : pin.pages) ++pages_[p].readers;
+  }
+  return pin;
+}
+
+bool PageTable::Release(int64_t p, bool exclusive) {
+  Page& page = pages_[p];
+  if (exclusive) {
+    page.writer = false;
+  } else {
+    --page.readers;
+  }
+  return page.state == State::kReclaiming && page.readers == 0 && !page.writer;
+}
+
+std::vector<int64_t> PageTable::Unpin(const Pin& pin, int written_layer,
+                                      std::span<const int64_t> written_tokens) {
+  absl::flat_hash_map<int64_t, uint64_t> pinned;  // page → the generation pinned
+  if (written_layer >= 0) {
+    for (size_t i = 0; i < pin.pages.size(); ++i) pinned[pin.pages[i]] = pin.generations[i];
+  }
+  absl::MutexLock lock(&mu_);
+  for (int64_t token : written_tokens) {
+    const int64_t p = token / page_size_;
+    const Page& page = pages_[p];
+    // Freed (and maybe reallocated) since the pin: the records are not the holder's.
+    if (page.state == State::kAllocated && pinned.at(p) == page.generation) {
+      MarkWritten(written_layer, token);
+    }
+  }
+  std::vector<int64_t> to_zero;
+  for (int64_t p : pin.pages) {
+    if (Release(p, pin.exclusive)) to_zero.push_back(p);
+  }
+  return to_zero;
+}
+
+std::vector<int64_t> PageTable::UnpinWrittenPages(const Pin& pin, std::span<const int> layers,
+                                                  std::span<const int64_t> written_pages) {
+  absl::flat_hash_map<int64_t, uint64_t> pinned;  // page → the generation pinned
+  for (size_t i = 0; i < pin.pages.size(); ++i) pinned[pin.pages[i]] = pin.generations[i];
+  absl::MutexLock lock(&mu_);
+  for (size_t i = 0; i < written_pages.size(); ++i) {
+    const int64_t p = written_pages[i];
+    if (pages_[p].state == State::kAllocated && pinned.at(p) == pages_[p].generation) {
+      for (int64_t t = p * page_size_; t < (p + 1) * page_size_; ++t) MarkWritten(layers[i], t);
+    }
+  }
+  std::vector<int64_t> to_zero;
+  for (int64_t p : pin.pages) {
+    if (Release(p, pin.exclusive)) to_zero.push_back(p);
+  }
+  return to_zero;
+}
+
+std::vector<int64_t> PageTable::WrittenSlots(int layer, std::span<const int64_t> pages) const {
+  std::vector<int64_t> slots;
+  absl::ReaderMutexLock lock(&mu_);
+  for (size_t i = 0; i < pages.size(); ++i) {
+    for (int s = 0; s < page_size_; ++s) {
+      const int64_t bit = Bit(layer, pages[i] * page_size_ + s);
+      if ((written_[bit / 64] >> (bit % 64)) & 1) {
+        slots.push_back(static_cast<int64_t>(i) * page_size_ + s);
+      }
+    }
+  }
+  return slots;
+}
+
+void PageTable::MarkWritten(int layer, int64_t token) {
+  const int64_t bit = Bit(layer, token);
+  uint64_t& word = written_[bit / 64];
+  const uint64_t mask = uint64_t{1} << (bit % 64);
+  if (word & mask) return;
+  word |= mask;
+  if (slot_layers_[token]++ == 0) ++tokens_held_;
+  ++records_held_;
+}
+
+void PageTable::ForgetRecords(int64_t page) {
+  for (int64_t t = page * page_size_; t < (page + 1) * page_size_; ++t) {
+    if (slot_layers_[t] > 0) --tokens_held_;
+    records_held_ -= slot_layers_[t];
+    slot_layers_[t] = 0;
+    for (int layer = 0; layer < num_layers_; ++layer) {
+      const int64_t bit = Bit(layer, t);
+      written_[bit / 64] &= ~(uint64_t{1} << (bit % 64));
+    }
+  }
+}
+
+void PageTable::MarkDeleted() {
+  absl::MutexLock lock(&mu_);
+  deleted_ = true;
+}
+
+PageTable::Counts PageTable::counts() const {
+  absl::ReaderMutexLock lock(&mu_);
+  Counts c;
+  c.pages_free = static_cast<int64_t>(free_list_.size());
+  c.pages_used = num_pages_ - c.pages_free;
+  c.tokens_held = tokens_held_;
+  c.records_held = records_held_;
+  return c;
+}
+
+}  // namespace kvferry::server

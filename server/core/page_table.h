@@ -1,0 +1,122 @@
+// The page table of one pool: allocation, generations, pins, occupancy and reclaim.
+//
+// Bookkeeping only (no device memory): the Pool does the device work the table asks for.
+// A page is free (zeroed, ready), allocated, or reclaiming (freed: its handle is already
+// refused, and it returns to the free list only after the Pool zeroed it on the device,
+// which waits until no read or write still uses it). Requests pin the pages they touch
+// while their device work runs: readers shared, writers exclusive among writers (two
+// writes of one page never interleave; reads never wait for writes). Thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "core/types.h"
+
+namespace kvferry::server {
+
+class PageTable {
+ public:
+  // `incarnation` (1 .. 2^24-1) is unique among the daemon's pools; it becomes the high
+  // bits of every generation.
+  PageTable(std::string pool_name, int64_t num_pages, int page_size, int num_layers,
+            uint64_t incarnation);
+
+  // All or nothing: POOL_FULL when fewer than `count` pages are free.
+  absl::StatusOr<std::vector<PageHandle>> Allocate(int64_t count) ABSL_LOCKS_EXCLUDED(mu_);
+  // Checks every handle first (stale or repeated: none is freed). Bumps each generation
+  // and forgets the page's records. Returns the pages to zero now; pages still pinned are
+  // returned by the Unpin that releases them.
+  absl::StatusOr<std::vector<int64_t>> Free(std::span<const PageHandle> pages)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Pages the caller zeroed (from Free or Unpin) go back to the free list.
+  void Reclaimed(std::span<const int64_t> pages) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // A set of pinned pages; `pages` unique, `generations` as checked.
+  struct Pin {
+    std::vector<int64_t> pages;
+    std::vector<uint64_t> generations;
+    bool exclusive = false;
+  };
+  // Checks the handles (and that the pool is not deleted) and pins their pages. Repeats
+  // are allowed and pinned once. Exclusive pins wait for other writers of the same pages.
+  absl::StatusOr<Pin> PinPages(std::span<const PageHandle> pages, bool exclusive)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Releases a pin. With `written_layer` >= 0, first records `written_tokens` of that layer
+  // as written — only for pages whose generation is still the pinned one. Returns pages
+  // whose reclaim waited for this pin: the caller zeroes them and calls Reclaimed.
+  std::vector<int64_t> Unpin(const Pin& pin, int written_layer = -1,
+                             std::span<const int64_t> written_tokens = {})
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Same, marking every slot of the listed (layer, page) pairs written.
+  std::vector<int64_t> UnpinWrittenPages(const Pin& pin, std::span<const int> layers,
+                                         std::span<const int64_t> pages)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // FAILED_PRECONDITION / INVALID_ARGUMENT unless the handle names an allocated page of its
+  // generation in this incarnation.
+  absl::Status CheckHandle(const PageHandle& handle) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Token indices (page * page_size + slot) of the locations, every handle and slot checked.
+  absl::StatusOr<std::vector<int64_t>> Resolve(std::span<const TokenLocation> locations) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // For each token of the listed pages (in order, page_size each), whether `layer` holds a
+  // record there: the indices i * page_size + slot that do.
+  std::vector<int64_t> WrittenSlots(int layer, std::span<const int64_t> pages) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // After this, every PinPages fails with ABORTED (POOL_DELETED).
+  void MarkDeleted() ABSL_LOCKS_EXCLUDED(mu_);
+
+  struct Counts {
+    int64_t pages_used = 0, pages_free = 0, tokens_held = 0, records_held = 0;
+  };
+  Counts counts() const ABSL_LOCKS_EXCLUDED(mu_);
+
+  uint64_t incarnation() const { return incarnation_; }
+
+ private:
+  enum class State : uint8_t { kFree, kAllocated, kReclaiming };
+  struct Page {
+    uint64_t generation = 0;
+    State state = State::kFree;
+    bool writer = false;
+    int32_t readers = 0;
+  };
+
+  absl::Status CheckHandleLocked(const PageHandle& handle) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  void MarkWritten(int layer, int64_t token) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ForgetRecords(int64_t page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops the pin of one page; true when the page now waits only for zeroing.
+  bool Release(int64_t page, bool exclusive) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int64_t Bit(int layer, int64_t token) const { return layer * num_tokens_ + token; }
+
+  const std::string pool_name_;
+  const int64_t num_pages_;
+  const int page_size_;
+  const int num_layers_;
+  const int64_t num_tokens_;
+  const uint64_t incarnation_;
+
+  mutable absl::Mutex mu_;
+  std::vector<Page> pages_ ABSL_GUARDED_BY(mu_);
+  std::vector<int64_t> free_list_ ABSL_GUARDED_BY(mu_);
+  int64_t reclaiming_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<uint64_t> written_ ABSL_GUARDED_BY(mu_);      // bits [layer][token]
+  std::vector<uint16_t> slot_layers_ ABSL_GUARDED_BY(mu_);  // layers written per token
+  int64_t tokens_held_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t records_held_ ABSL_GUARDED_BY(mu_) = 0;
+  bool deleted_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+// The generation a page starts at in a pool incarnation, and the number of bits the
+// per-page count takes below the incarnation.
+inline constexpr int kGenerationCountBits = 40;
+inline constexpr uint64_t kMaxIncarnation = (uint64_t{1} << 24) - 1;
+
+}  // namespace kvferry::server

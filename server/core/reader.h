@@ -1,0 +1,82 @@
+// Readers of a pool: raw (or transcoded) pages, and dequantized workspaces, produced as a
+// sequence of batches of at most about `batch_bytes` each.
+//
+// A reader validates its whole request when it is made (handles, slots, layers), so a bad
+// request fails before any byte is produced. It then keeps one batch in flight on the
+// device while the caller consumes the previous one (two host staging slots), so device
+// work overlaps whatever the caller does with the bytes. Its memory is bounded by the batch
+// size (plus one page), never by the request. Each batch pins its pages while the device
+// reads them and checks their handles again: a page freed meanwhile fails the read
+// (FAILED_PRECONDITION) rather than returning another owner's bytes. Not thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "backend/backend.h"
+#include "core/pool.h"
+
+namespace kvferry::server {
+
+class Reader {
+ public:
+  virtual ~Reader();
+  // The next batch (valid until the next call or the reader's end), or an empty span once
+  // every byte was produced. After an error the reader is done.
+  absl::StatusOr<std::span<const uint8_t>> Next();
+  // Bytes of the whole output.
+  int64_t total_bytes() const { return total_bytes_; }
+
+ protected:
+  struct Slot {
+    Buffer host;     // output bytes of one batch, then (page reads) ids and slots
+    Buffer device;   // scratch of one batch
+    std::optional<PageTable::Pin> pin;
+    Completion done;
+    int64_t bytes = 0;
+    bool busy = false;
+    double started = 0;  // seconds, steady clock, for the op timing
+  };
+  Reader(std::shared_ptr<Pool> pool, int64_t num_batches, int64_t total_bytes)
+      : pool_(std::move(pool)), num_batches_(num_batches), total_bytes_(total_bytes) {}
+  // Pins batch `index`'s pages and submits its device work into `slot`.
+  virtual absl::Status Launch(int64_t index, Slot& slot) = 0;
+  virtual const char* op_name() const = 0;
+
+  const std::shared_ptr<Pool> pool_;
+
+ private:
+  absl::Status Start(int64_t index);
+  absl::Status Finish(Slot& slot);
+
+  const int64_t num_batches_;
+  const int64_t total_bytes_;
+  Slot slots_[2];
+  int64_t next_ = 0;  // batches returned so far
+  bool failed_ = false;
+};
+
+// Pages in request order, for each page each listed layer in order (all layers when
+// `layers` is empty), as stored or, with `transcode_to`, every written slot transcoded to
+// that layout and every other byte zero. Repeated layers are INVALID_ARGUMENT
+// (DUPLICATE_LAYER); repeated pages are allowed.
+absl::StatusOr<std::unique_ptr<Reader>> ReadPages(std::shared_ptr<Pool> pool,
+                                                  std::span<const PageHandle> pages,
+                                                  std::span<const int64_t> layers,
+                                                  std::optional<Layout> transcode_to,
+                                                  int64_t batch_bytes);
+
+// Dequantized bf16 rows [n, 512] of one layer for the locations, in order (repeats allowed).
+absl::StatusOr<std::unique_ptr<Reader>> ReadWorkspace(std::shared_ptr<Pool> pool, int64_t layer,
+                                                      std::span<const TokenLocation> locations,
+                                                      int64_t batch_bytes);
+
+// Output bytes of one page of `pool` read as `layout`.
+int64_t OutputPageBytes(const Pool& pool, std::optional<Layout> layout);
+
+}  // namespace kvferry::server

@@ -1,0 +1,254 @@
+// StagedWrite: validation as pieces arrive, one arena, one device op at commit.
+#include "core/staged_write.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "common/errors.h"
+#include "kvferry/kernels/status_macros.h"
+#include "kvferry/kernels/validate.h"
+
+namespace kvferry::server {
+namespace {
+
+int64_t AlignUp(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+
+}  // namespace
+
+// ---- arena ---------------------------------------------------------------------------------
+
+absl::StatusOr<int64_t> StagingArena::Reserve(int64_t bytes) {
+  const int64_t offset = size_;
+  while (static_cast<int64_t>(chunks_.size()) * kChunkBytes < size_ + bytes) {
+    KVF_ASSIGN_OR_RETURN(Buffer chunk,
+                         backend_->Allocate(kChunkBytes, MemoryKind::kHostStaging, false));
+    chunks_.push_back(std::move(chunk));
+  }
+  size_ += bytes;
+  return offset;
+}
+
+void StagingArena::Write(int64_t offset, std::span<const uint8_t> data) {
+  size_t done = 0;
+  while (done < data.size()) {
+    const int64_t at = offset + static_cast<int64_t>(done);
+    const int64_t in_chunk = std::min<int64_t>(kChunkBytes - at % kChunkBytes,
+                                               static_cast<int64_t>(data.size() - done));
+    std::memcpy(At(at), data.data() + done, in_chunk);
+    done += in_chunk;
+  }
+}
+
+uint8_t* StagingArena::At(int64_t offset) const {
+  return chunks_[offset / kChunkBytes].get() + offset % kChunkBytes;
+}
+
+void StagingArena::CopyOps(uint8_t* device, std::vector<Op>& ops) const {
+  for (int64_t at = 0; at < size_; at += kChunkBytes) {
+    ops.push_back(CopyOp{device + at, At(at), static_cast<size_t>(std::min(kChunkBytes, size_ - at))});
+  }
+}
+
+// ---- write ---------------------------------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<StagedWrite>> StagedWrite::ForRows(std::shared_ptr<Pool> pool,
+                                                                  int64_t layer,
+                                                                  WriteLimits limits) {
+  KVF_RETURN_IF_ERROR(pool->CheckLayer(layer));
+  return std::unique_ptr<StagedWrite>(
+      new StagedWrite(std::move(pool), /*rows=*/true, static_cast<int>(layer), limits));
+}
+
+absl::StatusOr<std::unique_ptr<StagedWrite>> StagedWrite::ForPages(std::shared_ptr<Pool> pool,
+                                                                   Layout layout,
+                                                                   WriteLimits limits) {
+  if (layout != pool->config().layout) {
+    return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kLayoutMismatch,
+                 absl::StrCat("layout mismatch: pages are ", LayoutName(layout), ", pool '",
+                              pool->config().name, "' holds ", LayoutName(pool->config().layout)));
+  }
+  return std::unique_ptr<StagedWrite>(
+      new StagedWrite(std::move(pool), /*rows=*/false, -1, limits));
+}
+
+absl::Status StagedWrite::CheckGeneration(const PageHandle& page) {
+  auto [it, inserted] = generations_.try_emplace(page.page_id, page.generation);
+  if (!inserted && it->second != page.generation) {
+    return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kHandleGenerationChanged,
+                 absl::StrCat("page ", page.page_id, " is named at generations ", it->second,
+                              " and ", page.generation,
+                              " in one write: it was freed in between, so the write is refused"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StagedWrite::CountMessage(bool empty) {
+  // A first message may only name the target; every later one must carry bytes, so a
+  // stream of empty messages cannot hold the write open for free.
+  if (empty && messages_ > 0) {
+    return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                 absl::StrCat("write message ", messages_, " carries no data"));
+  }
+  ++messages_;
+  return absl::OkStatus();
+}
+
+absl::Status StagedWrite::AddRows(std::span<const TokenLocation> locations,
+                                  std::span<const uint8_t> rows) {
+  const int64_t n = static_cast<int64_t>(locations.size());
+  const int64_t staged = static_cast<int64_t>(tokens_.size());
+  KVF_RETURN_IF_ERROR(CountMessage(n == 0 && rows.empty()));
+  if (static_cast<int64_t>(rows.size()) != n * kBf16RowBytes) {
+    return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kBadRowLength,
+                 absl::StrCat(n, " locations with ", rows.size(), " bytes of rows, expected ",
+                              n * kBf16RowBytes, " (", kBf16RowBytes,
+                              " bytes = 512 bf16 per row)"));
+  }
+  if (staged + n > limits_.max_tokens || (staged + n) * kBf16RowBytes > limits_.max_bytes) {
+    return Error(absl::StatusCode::kResourceExhausted, ErrorReason::kWriteTooLarge,
+                 absl::StrCat("write of more than ", std::min(limits_.max_tokens,
+                                                              limits_.max_bytes / kBf16RowBytes),
+                              " tokens; split it into several writes"));
+  }
+  KVF_ASSIGN_OR_RETURN(std::vector<int64_t> tokens, pool_->table().Resolve(locations));
+  for (int64_t i = 0; i < n; ++i) {
+    KVF_RETURN_IF_ERROR(CheckGeneration(locations[i].page));
+    if (!seen_tokens_.insert(tokens[i]).second) {
+      return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kDuplicateLocation,
+                   absl::StrCat("location ", staged + i, " (page ", locations[i].page.page_id,
+                                " slot ", locations[i].slot, ") is written twice in one write"));
+    }
+  }
+  KVF_RETURN_IF_ERROR(WithReason(ValidateFiniteBytes(rows, staged), ErrorReason::kNonFiniteValue));
+  if (n == 0) return absl::OkStatus();
+  KVF_ASSIGN_OR_RETURN(const int64_t offset, arena_.Reserve(static_cast<int64_t>(rows.size())));
+  arena_.Write(offset, rows);
+  tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
+  return absl::OkStatus();
+}
+
+absl::Status StagedWrite::AddPageBytes(const PageHandle& page, int64_t layer, uint64_t offset,
+                                       std::span<const uint8_t> data) {
+  KVF_RETURN_IF_ERROR(CountMessage(data.empty()));
+  if (data.empty()) return absl::OkStatus();  // a first message that only names the pool
+  KVF_RETURN_IF_ERROR(pool_->CheckLayer(layer));
+  KVF_RETURN_IF_ERROR(pool_->table().CheckHandle(page));
+  KVF_RETURN_IF_ERROR(CheckGeneration(page));
+  const uint64_t page_bytes = static_cast<uint64_t>(pool_->geometry().page_bytes());
+  auto [it, inserted] =
+      page_index_.try_emplace(std::make_pair(page.page_id, static_cast<int>(layer)), pages_.size());
+  if (inserted) {
+    if (arena_.size() + static_cast<int64_t>(page_bytes) > limits_.max_bytes) {
+      page_index_.erase(it);
+      return Error(absl::StatusCode::kResourceExhausted, ErrorReason::kWriteTooLarge,
+                   absl::StrCat("write of more than ", limits_.max_bytes,
+                                " bytes; split it into several writes"));
+    }
+    KVF_ASSIGN_OR_RETURN(const int64_t at, arena_.Reserve(static_cast<int64_t>(page_bytes)));
+    pages_.push_back(StagedPage{page, static_cast<int>(layer), at, 0});
+  }
+  StagedPage& staged = pages_[it->second];
+  if (offset != staged.received) {
+    return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kPageBytesOutOfOrder,
+                 absl::StrCat("page ", page.page_id, " layer ", layer, ": data at offset ", offset,
+                              ", expected ", staged.received,
+                              staged.received == page_bytes ? " (the page is already complete)" : ""));
+  }
+  if (data.size() > page_bytes - staged.received) {
+    return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kPageBytesOutOfOrder,
+                 absl::StrCat("page ", page.page_id, " layer ", layer, ": ",
+                              staged.received + data.size(), " bytes exceed the page size of ",
+                              page_bytes));
+  }
+  arena_.Write(staged.offset + static_cast<int64_t>(staged.received), data);
+  staged.received += data.size();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> StagedWrite::Commit() {
+  return rows_ ? CommitRows() : CommitPages();
+}
+
+absl::StatusOr<int64_t> StagedWrite::CommitRows() {
+  const int64_t n = static_cast<int64_t>(tokens_.size());
+  if (n == 0) return 0;
+  Backend& backend = pool_->backend();
+  // Device staging: [rows | token indices], filled before any page is pinned.
+  const int64_t locs_at = AlignUp(arena_.size(), 256);
+  const size_t locs_bytes = static_cast<size_t>(n) * sizeof(int64_t);
+  KVF_ASSIGN_OR_RETURN(Buffer staging,
+                       backend.Allocate(locs_at + locs_bytes, MemoryKind::kDevice, false));
+  std::vector<Op> copies;
+  arena_.CopyOps(staging.get(), copies);
+  copies.push_back(CopyOp{staging.get() + locs_at, tokens_.data(), locs_bytes});
+  KVF_RETURN_IF_ERROR(backend.Run(copies));
+
+  std::vector<PageHandle> handles;
+  for (const auto& [page, generation] : generations_) handles.push_back({page, generation});
+  KVF_ASSIGN_OR_RETURN(const PageTable::Pin pin, pool_->table().PinPages(handles, true));
+  const PoolGeometry g = pool_->geometry();
+  QuantizeStoreParams store;
+  store.geometry = g;
+  store.rows = staging.get<uint16_t>();
+  store.locs = reinterpret_cast<const int64_t*>(staging.get() + locs_at);
+  store.num_tokens = n;
+  store.pool = pool_->base() + static_cast<int64_t>(layer_) * g.pool_bytes();
+  const Op op = store;
+  const absl::Status stored = pool_->RunTimed("quantize_store", std::span<const Op>(&op, 1));
+  pool_->Unpin(pin, stored.ok() ? layer_ : -1, stored.ok() ? std::span<const int64_t>(tokens_)
+                                                           : std::span<const int64_t>());
+  KVF_RETURN_IF_ERROR(stored);
+  return n;
+}
+
+absl::StatusOr<int64_t> StagedWrite::CommitPages() {
+  const uint64_t page_bytes = static_cast<uint64_t>(pool_->geometry().page_bytes());
+  for (const StagedPage& s : pages_) {
+    if (s.received != page_bytes) {
+      return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kPageIncomplete,
+                   absl::StrCat("page ", s.handle.page_id, " layer ", s.layer, " is incomplete: ",
+                                s.received, " of ", page_bytes, " bytes"));
+    }
+  }
+  const int64_t n = static_cast<int64_t>(pages_.size());
+  if (n == 0) return 0;
+  Backend& backend = pool_->backend();
+  const int64_t num_pages = pool_->config().num_pages;
+  std::vector<int64_t> flat_ids(n), page_ids(n);
+  std::vector<int> layers(n);
+  for (int64_t i = 0; i < n; ++i) {
+    page_ids[i] = static_cast<int64_t>(pages_[i].handle.page_id);
+    layers[i] = pages_[i].layer;
+    flat_ids[i] = layers[i] * num_pages + page_ids[i];
+  }
+  const int64_t ids_at = AlignUp(arena_.size(), 256);
+  const size_t ids_bytes = static_cast<size_t>(n) * sizeof(int64_t);
+  KVF_ASSIGN_OR_RETURN(Buffer staging,
+                       backend.Allocate(ids_at + ids_bytes, MemoryKind::kDevice, false));
+  std::vector<Op> copies;
+  arena_.CopyOps(staging.get(), copies);
+  copies.push_back(CopyOp{staging.get() + ids_at, flat_ids.data(), ids_bytes});
+  KVF_RETURN_IF_ERROR(backend.Run(copies));
+
+  std::vector<PageHandle> handles;
+  for (const StagedPage& s : pages_) handles.push_back(s.handle);
+  KVF_ASSIGN_OR_RETURN(const PageTable::Pin pin, pool_->table().PinPages(handles, true));
+  PageCopyParams scatter;
+  scatter.geometry = pool_->flat_pages();
+  scatter.pool = pool_->base();
+  scatter.pages = reinterpret_cast<const int64_t*>(staging.get() + ids_at);
+  scatter.num_listed = n;
+  scatter.buffer = staging.get();
+  const Op op = ScatterPagesOp{scatter};
+  const absl::Status stored = pool_->RunTimed("scatter_pages", std::span<const Op>(&op, 1));
+  if (stored.ok()) {
+    pool_->UnpinWrittenPages(pin, layers, page_ids);
+  } else {
+    pool_->Unpin(pin);
+  }
+  KVF_RETURN_IF_ERROR(stored);
+  return n;
+}
+
+}  // namespace kvferry::server

@@ -1,0 +1,110 @@
+// A write staged whole before it touches the pool: bf16 rows (quantized on commit) or raw
+// page bytes (copied on commit), in one host staging arena per write.
+//
+// Add() validates each piece as it arrives (shapes, handles, slots, repeats, NaN/Inf,
+// limits) and appends it to the arena. Commit() checks the handles again, copies the arena
+// to the device and stores everything with one device op: a failure at any step before
+// that op leaves the pool as it was, and the op itself either runs or not. Dropping an
+// uncommitted write releases its staging and changes nothing. Not thread-safe (one stream
+// feeds one write); any number of writes may be in flight on a pool.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "backend/backend.h"
+#include "core/pool.h"
+
+namespace kvferry::server {
+
+// The one set of limits of every staged write.
+struct WriteLimits {
+  int64_t max_tokens = int64_t{1} << 20;  // rows one write may stage
+  int64_t max_bytes = int64_t{1} << 30;   // bytes (rows, or page bytes) one write may stage
+};
+
+// Host staging that grows in fixed chunks of the backend's staging memory; one logical
+// byte stream.
+class StagingArena {
+ public:
+  static constexpr int64_t kChunkBytes = int64_t{4} << 20;  // a multiple of a bf16 row
+  explicit StagingArena(Backend* backend) : backend_(backend) {}
+  // Reserves `bytes` at the end of the stream; returns their offset.
+  absl::StatusOr<int64_t> Reserve(int64_t bytes);
+  // Copies data into reserved bytes at `offset`.
+  void Write(int64_t offset, std::span<const uint8_t> data);
+  // Host pointer of a reserved offset, valid for the bytes up to the end of its chunk.
+  uint8_t* At(int64_t offset) const;
+  int64_t size() const { return size_; }
+  // Copy ops that move the whole stream to `device` (size() bytes).
+  void CopyOps(uint8_t* device, std::vector<Op>& ops) const;
+
+ private:
+  Backend* const backend_;
+  std::vector<Buffer> chunks_;
+  int64_t size_ = 0;
+};
+
+class StagedWrite {
+ public:
+  // A write of bf16 rows into `layer` (checked here).
+  static absl::StatusOr<std::unique_ptr<StagedWrite>> ForRows(std::shared_ptr<Pool> pool,
+                                                              int64_t layer, WriteLimits limits);
+  // A write of page bytes, which the caller says are in `layout` (must be the pool's).
+  static absl::StatusOr<std::unique_ptr<StagedWrite>> ForPages(std::shared_ptr<Pool> pool,
+                                                               Layout layout, WriteLimits limits);
+
+  // Rows write: one message's locations and rows ([n, 512] bf16 as little-endian bytes).
+  absl::Status AddRows(std::span<const TokenLocation> locations, std::span<const uint8_t> rows);
+  // Pages write: bytes of one (page, layer) at `offset`; each (page, layer) arrives in
+  // order, possibly over several messages, and must be complete at commit.
+  absl::Status AddPageBytes(const PageHandle& page, int64_t layer, uint64_t offset,
+                            std::span<const uint8_t> data);
+
+  // Stores everything: the number of rows (rows write) or (page, layer) pairs stored.
+  absl::StatusOr<int64_t> Commit();
+
+  Pool& pool() { return *pool_; }
+  int64_t staged_bytes() const { return arena_.size(); }
+
+ private:
+  StagedWrite(std::shared_ptr<Pool> pool, bool rows, int layer, WriteLimits limits)
+      : pool_(std::move(pool)), rows_(rows), layer_(layer), limits_(limits),
+        arena_(&pool_->backend()) {}
+  absl::Status CheckGeneration(const PageHandle& page);
+  absl::Status CountMessage(bool empty);
+  absl::StatusOr<int64_t> CommitRows();
+  absl::StatusOr<int64_t> CommitPages();
+
+  const std::shared_ptr<Pool> pool_;
+  const bool rows_;
+  const int layer_;
+  const WriteLimits limits_;
+  StagingArena arena_;
+  int64_t messages_ = 0;
+  // Every page named, at the generation named: a page named at two generations (freed and
+  // allocated again in between) fails the whole write.
+  absl::flat_hash_map<uint64_t, uint64_t> generations_;
+
+  // Rows write.
+  absl::flat_hash_set<int64_t> seen_tokens_;
+  std::vector<int64_t> tokens_;  // per staged row, in arena order
+
+  // Pages write.
+  struct StagedPage {
+    PageHandle handle;
+    int layer;
+    int64_t offset;  // in the arena
+    uint64_t received = 0;
+  };
+  std::vector<StagedPage> pages_;
+  absl::flat_hash_map<std::pair<uint64_t, int>, size_t> page_index_;
+};
+
+}  // namespace kvferry::server

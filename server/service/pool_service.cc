@@ -1,0 +1,291 @@
+// Handlers of kvferry.v1.KvFerry: convert, call the core, map the status once.
+#include "service/pool_service.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "common/errors.h"
+#include "common/log.h"
+#include "core/reader.h"
+#include "kvferry/kernels/status_macros.h"
+#include "service/convert.h"
+#include "service/status.h"
+
+namespace kvferry::server {
+namespace {
+
+using grpc::ServerContext;
+
+// The client went away (cancelled or past its deadline): its staged work is dropped.
+absl::Status ClientGone(ServerContext* context) {
+  if (context->deadline() < std::chrono::system_clock::now()) {
+    return Error(absl::StatusCode::kDeadlineExceeded, ErrorReason::kDeadlineExceeded,
+                 "deadline exceeded; the work was dropped");
+  }
+  return Error(absl::StatusCode::kCancelled, ErrorReason::kClientCancelled,
+               "client cancelled; the work was dropped");
+}
+
+std::span<const uint8_t> Bytes(const std::string& s) {
+  return {reinterpret_cast<const uint8_t*>(s.data()), s.size()};
+}
+
+// Every handler: run the body, map its status (and reason) once.
+template <typename Body>
+grpc::Status Handle(ServerContext* context, Body&& body) {
+  return ToGrpcStatus(context, body());
+}
+
+// The loop of the client-streaming writes: the first message names the target and starts
+// the staged write (`begin`); a later message may repeat the target but not change it
+// (`same_target`); every message is added (`add`); a stream that ends cleanly commits.
+// Any error, or the client going away, drops the write.
+template <typename Request>
+absl::StatusOr<int64_t> StreamWrite(
+    ServerContext* context, grpc::ServerReader<Request>* reader, PoolManager* pools,
+    const std::function<absl::StatusOr<std::unique_ptr<StagedWrite>>(const Request&,
+                                                                     std::shared_ptr<Pool>)>& begin,
+    const std::function<absl::Status(const Request& first, const Request& msg)>& same_target,
+    const std::function<absl::Status(StagedWrite&, const Request&)>& add, uint64_t* received) {
+  Request first, msg;
+  std::unique_ptr<StagedWrite> write;
+  while (reader->Read(write ? &msg : &first)) {
+    if (context->IsCancelled()) return ClientGone(context);
+    const Request& m = write ? msg : first;
+    *received += m.ByteSizeLong();
+    if (!write) {
+      KVF_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, pools->Get(first.pool()));
+      KVF_ASSIGN_OR_RETURN(write, begin(first, std::move(pool)));
+    } else {
+      if (!msg.pool().empty() && msg.pool() != first.pool()) {
+        return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kStreamTargetChanged,
+                     "one write goes to one pool: a later message names another pool");
+      }
+      KVF_RETURN_IF_ERROR(same_target(first, msg));
+    }
+    KVF_RETURN_IF_ERROR(add(*write, m));
+  }
+  if (context->IsCancelled()) return ClientGone(context);
+  if (!write) {
+    return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kEmptyWrite,
+                 "empty write: no messages");
+  }
+  return write->Commit();
+}
+
+// Sends a reader's batches as messages of at most chunk_bytes; `fill` sets a message's
+// position fields from the byte offset of its data.
+template <typename Chunk>
+absl::Status StreamRead(ServerContext* context, Reader& reader, int64_t chunk_bytes,
+                        grpc::ServerWriter<Chunk>* writer,
+                        const std::function<void(uint64_t offset, Chunk&)>& fill,
+                        const std::function<std::string*(Chunk&)>& data) {
+  uint64_t offset = 0;
+  Chunk chunk;
+  while (true) {
+    KVF_ASSIGN_OR_RETURN(const std::span<const uint8_t> batch, reader.Next());
+    if (batch.empty()) return absl::OkStatus();
+    for (size_t at = 0; at < batch.size(); at += static_cast<size_t>(chunk_bytes)) {
+      if (context->IsCancelled()) return ClientGone(context);
+      const size_t n = std::min(batch.size() - at, static_cast<size_t>(chunk_bytes));
+      fill(offset, chunk);
+      data(chunk)->assign(reinterpret_cast<const char*>(batch.data() + at), n);
+      chunk.set_xxh64(XXH64(batch.data() + at, n, 0));
+      offset += n;
+      if (!writer->Write(chunk)) return ClientGone(context);
+    }
+  }
+}
+
+}  // namespace
+
+int64_t KvFerryService::ChunkBytes(uint32_t requested) const {
+  if (requested == 0) return options_.default_chunk_bytes;
+  // At least one bf16 row per piece, at most the daemon's limit.
+  return std::clamp<int64_t>(requested, kBf16RowBytes, options_.max_chunk_bytes);
+}
+
+grpc::Status KvFerryService::CreatePool(ServerContext* context, const v1::CreatePoolRequest* req,
+                                        v1::Pool* out) {
+  return Handle(context, [&]() -> absl::Status {
+    KVF_ASSIGN_OR_RETURN(const PoolConfig config, FromProto(*req));
+    KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Create(config, req->device()));
+    const PoolStats stats = pool->Stats();
+    log::Info("pool created name={} id={} layout={} page_size={} pages={} layers={} device={} bytes={}",
+              log::Quoted(stats.name), stats.pool_id, LayoutName(stats.layout), stats.page_size,
+              stats.num_pages, stats.num_layers, stats.device, stats.pool_bytes);
+    ToProto(stats, out);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status KvFerryService::DescribePool(ServerContext* context,
+                                          const v1::DescribePoolRequest* req, v1::Pool* out) {
+  return Handle(context, [&]() -> absl::Status {
+    KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Get(req->name()));
+    ToProto(pool->Stats(), out);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status KvFerryService::ListPools(ServerContext* context, const v1::ListPoolsRequest*,
+                                       v1::ListPoolsResponse* out) {
+  return Handle(context, [&]() -> absl::Status {
+    for (const PoolStats& s : pools_->Stats().pools) ToProto(s, out->add_pools());
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status KvFerryService::DeletePool(ServerContext* context, const v1::DeletePoolRequest* req,
+                                        v1::DeletePoolResponse*) {
+  return Handle(context, [&]() -> absl::Status {
+    KVF_RETURN_IF_ERROR(pools_->Delete(req->name()));
+    log::Info("pool deleted name={}", log::Quoted(req->name()));
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status KvFerryService::AllocatePages(ServerContext* context,
+                                           const v1::AllocatePagesRequest* req,
+                                           v1::AllocatePagesResponse* out) {
+  return Handle(context, [&]() -> absl::Status {
+    if (req->count() > static_cast<uint64_t>(options_.max_pages_per_call)) {
+      return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kTooManyPages,
+                   absl::StrCat("count ", req->count(), " is above ", options_.max_pages_per_call,
+                                ", the most pages one reply carries; allocate in several calls"));
+    }
+    KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Get(req->pool()));
+    KVF_ASSIGN_OR_RETURN(const std::vector<PageHandle> pages, pool->AllocatePages(req->count()));
+    if (context->IsCancelled()) {
+      // Nobody will receive these handles: give the pages back.
+      pool->FreePages(pages).IgnoreError();
+      return ClientGone(context);
+    }
+    for (const PageHandle& h : pages) ToProto(h, out->add_pages());
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status KvFerryService::FreePages(ServerContext* context, const v1::FreePagesRequest* req,
+                                       v1::FreePagesResponse*) {
+  return Handle(context, [&]() -> absl::Status {
+    KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Get(req->pool()));
+    return pool->FreePages(FromProto(req->pages()));
+  });
+}
+
+grpc::Status KvFerryService::WriteTokens(ServerContext* context,
+                                         grpc::ServerReader<v1::WriteTokensRequest>* reader,
+                                         v1::WriteResponse* out) {
+  return Handle(context, [&]() -> absl::Status {
+    uint64_t received = 0;
+    KVF_ASSIGN_OR_RETURN(
+        const int64_t written,
+        StreamWrite<v1::WriteTokensRequest>(
+            context, reader, pools_,
+            [&](const v1::WriteTokensRequest& first, std::shared_ptr<Pool> pool) {
+              return StagedWrite::ForRows(std::move(pool), first.layer(), options_.write_limits);
+            },
+            [](const v1::WriteTokensRequest& first, const v1::WriteTokensRequest& msg) {
+              if (msg.has_layer() && msg.layer() != first.layer()) {
+                return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kStreamTargetChanged,
+                             absl::StrCat("one write goes to one layer: a later message names layer ",
+                                          msg.layer(), " after layer ", first.layer()));
+              }
+              return absl::OkStatus();
+            },
+            [](StagedWrite& write, const v1::WriteTokensRequest& msg) {
+              return write.AddRows(FromProto(msg.locations()), Bytes(msg.rows()));
+            },
+            &received));
+    out->set_tokens_written(written);
+    out->set_bytes_received(received);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status KvFerryService::WritePages(ServerContext* context,
+                                        grpc::ServerReader<v1::WritePagesRequest>* reader,
+                                        v1::WriteResponse* out) {
+  return Handle(context, [&]() -> absl::Status {
+    uint64_t received = 0;
+    KVF_ASSIGN_OR_RETURN(
+        const int64_t written,
+        StreamWrite<v1::WritePagesRequest>(
+            context, reader, pools_,
+            [&](const v1::WritePagesRequest& first,
+                std::shared_ptr<Pool> pool) -> absl::StatusOr<std::unique_ptr<StagedWrite>> {
+              KVF_ASSIGN_OR_RETURN(const Layout layout, FromProto(first.layout()));
+              return StagedWrite::ForPages(std::move(pool), layout, options_.write_limits);
+            },
+            [](const v1::WritePagesRequest& first, const v1::WritePagesRequest& msg) {
+              if (msg.layout() != v1::LAYOUT_UNSPECIFIED && msg.layout() != first.layout()) {
+                return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kStreamTargetChanged,
+                             "one write has one layout: a later message names another");
+              }
+              return absl::OkStatus();
+            },
+            [](StagedWrite& write, const v1::WritePagesRequest& msg) {
+              return write.AddPageBytes(FromProto(msg.page()), msg.layer(), msg.offset(),
+                                        Bytes(msg.data()));
+            },
+            &received));
+    out->set_pages_written(written);
+    out->set_bytes_received(received);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status KvFerryService::ReadPages(ServerContext* context, const v1::ReadPagesRequest* req,
+                                       grpc::ServerWriter<v1::PageChunk>* writer) {
+  return Handle(context, [&]() -> absl::Status {
+    KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Get(req->pool()));
+    KVF_ASSIGN_OR_RETURN(const std::optional<Layout> transcode_to,
+                         TranscodeFromProto(req->transcode_to()));
+    const std::vector<int64_t> layers(req->layers().begin(), req->layers().end());
+    const int64_t chunk_bytes = ChunkBytes(req->chunk_bytes());
+    KVF_ASSIGN_OR_RETURN(std::unique_ptr<Reader> reader,
+                         server::ReadPages(pool, FromProto(req->pages()), layers, transcode_to,
+                                           chunk_bytes));
+    const uint64_t page_bytes = OutputPageBytes(*pool, transcode_to);
+    return StreamRead<v1::PageChunk>(
+        context, *reader, chunk_bytes, writer,
+        [&](uint64_t offset, v1::PageChunk& chunk) {
+          chunk.set_offset(offset);
+          chunk.set_page_bytes(page_bytes);
+        },
+        [](v1::PageChunk& chunk) { return chunk.mutable_data(); });
+  });
+}
+
+grpc::Status KvFerryService::ReadWorkspace(ServerContext* context,
+                                           const v1::ReadWorkspaceRequest* req,
+                                           grpc::ServerWriter<v1::WorkspaceChunk>* writer) {
+  return Handle(context, [&]() -> absl::Status {
+    KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Get(req->pool()));
+    // Pieces of whole rows.
+    const int64_t chunk_bytes = ChunkBytes(req->chunk_bytes()) / kBf16RowBytes * kBf16RowBytes;
+    KVF_ASSIGN_OR_RETURN(std::unique_ptr<Reader> reader,
+                         server::ReadWorkspace(pool, req->layer(), FromProto(req->locations()),
+                                               chunk_bytes));
+    return StreamRead<v1::WorkspaceChunk>(
+        context, *reader, chunk_bytes, writer,
+        [](uint64_t offset, v1::WorkspaceChunk& chunk) {
+          chunk.set_first_row(offset / kBf16RowBytes);
+        },
+        [](v1::WorkspaceChunk& chunk) { return chunk.mutable_rows(); });
+  });
+}
+
+grpc::Status KvFerryService::GetStats(ServerContext* context, const v1::GetStatsRequest*,
+                                      v1::Stats* out) {
+  return Handle(context, [&]() -> absl::Status {
+    ToProto(pools_->Stats(), out);
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace kvferry::server
