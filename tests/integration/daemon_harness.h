@@ -95,6 +95,10 @@ class Daemon {
   }
 
   v1::KvFerry::Stub& stub() { return *stub_; }
+  pid_t pid() const { return pid_; }
+  int grpc_port() const { return grpc_port_; }
+  // True while the daemon process runs.
+  bool Alive() const { return pid_ > 0 && waitpid(pid_, nullptr, WNOHANG) == 0; }
   std::shared_ptr<grpc::Channel> channel() { return channel_; }
   int metrics_port() const { return metrics_port_; }
   const std::string& dir() const { return dir_; }
@@ -106,6 +110,13 @@ class Daemon {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KvFerry::Stub> stub_;
 };
+
+// The error reason the daemon attached to a finished call (empty when none).
+inline std::string ReasonOf(const grpc::ClientContext& ctx) {
+  const auto& trailers = ctx.GetServerTrailingMetadata();
+  auto it = trailers.find("kvferry-error-reason");
+  return it == trailers.end() ? "" : std::string(it->second.data(), it->second.size());
+}
 
 inline v1::Layout ProtoLayout(Layout layout) {
   return static_cast<v1::Layout>(static_cast<int>(layout) + 1);
@@ -143,7 +154,7 @@ inline std::vector<v1::PageHandle> Allocate(Daemon& d, const std::string& pool, 
 inline grpc::Status WriteTokens(Daemon& d, const std::string& pool, int layer,
                                 const std::vector<v1::TokenLocation>& locs,
                                 const std::vector<uint16_t>& rows, size_t per = 256,
-                                v1::WriteResponse* out = nullptr) {
+                                v1::WriteResponse* out = nullptr, std::string* reason = nullptr) {
   grpc::ClientContext ctx;
   v1::WriteResponse resp;
   auto writer = d.stub().WriteTokens(&ctx, &resp);
@@ -161,6 +172,7 @@ inline grpc::Status WriteTokens(Daemon& d, const std::string& pool, int layer,
   writer->WritesDone();
   const grpc::Status s = writer->Finish();
   if (out != nullptr) *out = resp;
+  if (reason != nullptr) *reason = ReasonOf(ctx);
   return s;
 }
 
@@ -168,7 +180,7 @@ inline grpc::Status WriteTokens(Daemon& d, const std::string& pool, int layer,
 inline grpc::Status ReadPages(Daemon& d, const std::string& pool,
                               const std::vector<v1::PageHandle>& pages, std::string* bytes,
                               v1::Layout transcode_to = v1::LAYOUT_UNSPECIFIED,
-                              std::vector<uint32_t> layers = {}) {
+                              std::vector<uint32_t> layers = {}, std::string* reason = nullptr) {
   grpc::ClientContext ctx;
   v1::ReadPagesRequest req;
   req.set_pool(pool);
@@ -183,7 +195,9 @@ inline grpc::Status ReadPages(Daemon& d, const std::string& pool,
     EXPECT_EQ(chunk.xxh64(), XXH64(chunk.data().data(), chunk.data().size(), 0));
     bytes->append(chunk.data());
   }
-  return reader->Finish();
+  const grpc::Status s = reader->Finish();
+  if (reason != nullptr) *reason = ReasonOf(ctx);
+  return s;
 }
 
 inline grpc::Status ReadWorkspace(Daemon& d, const std::string& pool, int layer,
