@@ -1,6 +1,8 @@
 // PageTable: free list, generations, pins, occupancy bits and deferred reclaim.
 #include "core/page_table.h"
 
+#include <utility>
+
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
@@ -123,6 +125,16 @@ void PageTable::Reclaimed(std::span<const int64_t> pages) {
     --reclaiming_;
     free_list_.push_back(p);
   }
+}
+
+void PageTable::ZeroingFailed(std::span<const int64_t> pages) {
+  absl::MutexLock lock(&mu_);
+  unzeroed_.insert(unzeroed_.end(), pages.begin(), pages.end());
+}
+
+std::vector<int64_t> PageTable::TakeUnzeroed() {
+  absl::MutexLock lock(&mu_);
+  return std::exchange(unzeroed_, {});
 }
 
 absl::StatusOr<PageTable::Pin> PageTable::PinPages(std::span<const PageHandle> handles,

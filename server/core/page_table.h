@@ -37,6 +37,10 @@ class PageTable {
       ABSL_LOCKS_EXCLUDED(mu_);
   // Pages the caller zeroed (from Free or Unpin) go back to the free list.
   void Reclaimed(std::span<const int64_t> pages) ABSL_LOCKS_EXCLUDED(mu_);
+  // Pages whose zeroing failed: kept out of the free list until TakeUnzeroed hands them to
+  // a caller that tries again.
+  void ZeroingFailed(std::span<const int64_t> pages) ABSL_LOCKS_EXCLUDED(mu_);
+  std::vector<int64_t> TakeUnzeroed() ABSL_LOCKS_EXCLUDED(mu_);
 
   // A set of pinned pages; `pages` unique, `generations` as checked.
   struct Pin {
@@ -107,6 +111,7 @@ class PageTable {
   std::vector<Page> pages_ ABSL_GUARDED_BY(mu_);
   std::vector<int64_t> free_list_ ABSL_GUARDED_BY(mu_);
   int64_t reclaiming_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<int64_t> unzeroed_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> written_ ABSL_GUARDED_BY(mu_);      // bits [layer][token]
   std::vector<uint16_t> slot_layers_ ABSL_GUARDED_BY(mu_);  // layers written per token
   int64_t tokens_held_ ABSL_GUARDED_BY(mu_) = 0;

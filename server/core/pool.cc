@@ -108,6 +108,10 @@ absl::Status Pool::CheckLayer(int64_t layer) const {
 }
 
 absl::StatusOr<std::vector<PageHandle>> Pool::AllocatePages(int64_t count) {
+  // Pages whose zeroing failed earlier get another try before they can be handed out.
+  if (std::vector<int64_t> retry = table_.TakeUnzeroed(); !retry.empty()) {
+    ZeroAndReclaim(std::move(retry)).IgnoreError();
+  }
   return table_.Allocate(count);
 }
 
@@ -118,15 +122,21 @@ absl::Status Pool::FreePages(std::span<const PageHandle> pages) {
 
 absl::Status Pool::ZeroAndReclaim(std::vector<int64_t> pages) {
   if (pages.empty()) return absl::OkStatus();
-  const size_t id_bytes = pages.size() * sizeof(int64_t);
-  KVF_ASSIGN_OR_RETURN(Buffer ids, backend_->Allocate(id_bytes, MemoryKind::kDevice, false));
-  PageCopyParams zero;
-  zero.geometry = PageCopyGeometry{geometry().page_bytes(), config_.num_pages, config_.num_layers};
-  zero.pool = base();
-  zero.pages = ids.get<int64_t>();
-  zero.num_listed = static_cast<int64_t>(pages.size());
-  const Op ops[] = {CopyOp{ids.get(), pages.data(), id_bytes}, ZeroPagesOp{zero}};
-  KVF_RETURN_IF_ERROR(RunTimed("zero_pages", ops));
+  const absl::Status zeroed = [&]() -> absl::Status {
+    const size_t id_bytes = pages.size() * sizeof(int64_t);
+    KVF_ASSIGN_OR_RETURN(Buffer ids, backend_->Allocate(id_bytes, MemoryKind::kDevice, false));
+    PageCopyParams zero;
+    zero.geometry = PageCopyGeometry{geometry().page_bytes(), config_.num_pages, config_.num_layers};
+    zero.pool = base();
+    zero.pages = ids.get<int64_t>();
+    zero.num_listed = static_cast<int64_t>(pages.size());
+    const Op ops[] = {CopyOp{ids.get(), pages.data(), id_bytes}, ZeroPagesOp{zero}};
+    return RunTimed("zero_pages", ops);
+  }();
+  if (!zeroed.ok()) {
+    table_.ZeroingFailed(pages);
+    return WithReason(zeroed, ErrorReason::kDeviceError);
+  }
   table_.Reclaimed(pages);
   return absl::OkStatus();
 }

@@ -45,7 +45,8 @@ class Pool : public std::enable_shared_from_this<Pool> {
   absl::StatusOr<std::vector<PageHandle>> AllocatePages(int64_t count);
   // Checks every handle first (any stale or repeated: none is freed). Each page reads as
   // zeros in every layer before it is handed out again: zeroed on the device now, or, if a
-  // read or write still uses it, when that one finishes.
+  // read or write still uses it, when that one finishes. If the zeroing fails (INTERNAL,
+  // DEVICE_ERROR) the pages are freed all the same but kept back until zeroed.
   absl::Status FreePages(std::span<const PageHandle> pages);
 
   // INVALID_ARGUMENT (LAYER_OUT_OF_RANGE) unless 0 <= layer < num_layers.
@@ -75,7 +76,8 @@ class Pool : public std::enable_shared_from_this<Pool> {
   Pool(const PoolConfig& config, std::shared_ptr<Backend> backend, uint64_t incarnation,
        OpObserver* observer, Buffer memory);
   // Zeroes the pages on the device and returns them to the free list. On a device error
-  // the pages stay out of the free list (never handed out unzeroed).
+  // the pages stay out of the free list (never handed out unzeroed) until a later
+  // AllocatePages zeroes them.
   absl::Status ZeroAndReclaim(std::vector<int64_t> pages);
 
   const PoolConfig config_;

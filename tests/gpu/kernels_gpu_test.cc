@@ -213,6 +213,24 @@ TEST_F(GpuPageCopyTest, UnalignedPageBytesUseTheBytePath) {
   EXPECT_EQ(FirstDifference(d_buffer.Download<uint8_t>(), expected), -1);
 }
 
+TEST_F(GpuPageCopyTest, ZeroPagesZeroesExactlyTheListedPagesInEveryLayer) {
+  for (const PageCopyGeometry g : {PageCopyGeometry{PageBytes(Layout::kV41Fp4, 16), 12, 3},
+                                   PageCopyGeometry{1001, 5, 2}}) {
+    const std::vector<int64_t> pages = {11 % g.num_pages, 2, 4};
+    std::vector<uint8_t> expected = Poison(g.pool_bytes(), 11);
+    DeviceBuffer d_pool(expected), d_pages(pages);
+    for (int64_t p : pages) {
+      for (int layer = 0; layer < g.num_layers; ++layer) {
+        std::fill_n(expected.begin() + (layer * g.num_pages + p) * g.page_bytes, g.page_bytes, 0);
+      }
+    }
+    ASSERT_TRUE(cuda::ZeroPages({g, d_pool.as<uint8_t>(), d_pages.as<int64_t>(),
+                                 static_cast<int64_t>(pages.size()), nullptr},
+                                nullptr).ok());
+    EXPECT_EQ(FirstDifference(d_pool.Download<uint8_t>(), expected), -1) << g.page_bytes;
+  }
+}
+
 // ---- named failure tests ------------------------------------------------------------------
 
 class GpuInvalidTest : public GpuTest {};

@@ -1,0 +1,443 @@
+// The core in process, on the cpu backend: page table, staged writes, readers, the pool
+// manager, and every failure of a fault-injecting backend leaving the pool as it was.
+#include <cstring>
+#include <thread>
+
+#include "backend/cpu_backend.h"
+#include "common/fault_backend.h"
+#include "common/golden.h"
+#include "common/random_rows.h"
+#include "core/pool_manager.h"
+#include "core/reader.h"
+#include "core/staged_write.h"
+#include "gtest/gtest.h"
+#include "kvferry/kernels/ops.h"
+
+namespace kvferry::server {
+namespace {
+
+using Where = std::vector<TokenLocation>;
+
+std::span<const uint8_t> AsBytes(const std::vector<uint16_t>& rows) {
+  return {reinterpret_cast<const uint8_t*>(rows.data()), rows.size() * 2};
+}
+
+// Every byte a reader produces, concatenated.
+absl::StatusOr<std::vector<uint8_t>> Drain(absl::StatusOr<std::unique_ptr<Reader>> reader) {
+  if (!reader.ok()) return reader.status();
+  std::vector<uint8_t> all;
+  while (true) {
+    absl::StatusOr<std::span<const uint8_t>> batch = (*reader)->Next();
+    if (!batch.ok()) return batch.status();
+    if (batch->empty()) return all;
+    all.insert(all.end(), batch->begin(), batch->end());
+  }
+}
+
+// The whole pool's bytes (cpu backend: host memory) and its counts.
+struct Snapshot {
+  std::vector<uint8_t> bytes;
+  int64_t pages_used, tokens_held, records_held;
+  bool operator==(const Snapshot&) const = default;
+};
+Snapshot Take(Pool& pool) {
+  const PoolStats s = pool.Stats();
+  return Snapshot{std::vector<uint8_t>(pool.base(), pool.base() + s.pool_bytes), s.pages_used,
+                  s.tokens_held, s.records_held};
+}
+
+std::shared_ptr<Pool> MakePool(Layout layout, int page_size, int64_t pages, int layers = 1,
+                               std::shared_ptr<Backend> backend = MakeCpuBackend(),
+                               uint64_t incarnation = 7) {
+  auto pool = Pool::Create(PoolConfig{"t", layout, page_size, pages, layers}, std::move(backend),
+                           incarnation, nullptr);
+  EXPECT_TRUE(pool.ok()) << pool.status();
+  return *pool;
+}
+
+// ---- page table ---------------------------------------------------------------------------------
+
+TEST(PageTableTest, GenerationsCarryTheIncarnationAndStaleMessagesHideTheCurrentOne) {
+  PageTable table("p", 4, 16, 2, 5);
+  auto h = table.Allocate(2);
+  ASSERT_TRUE(h.ok());
+  EXPECT_EQ((*h)[0].page_id, 0u);
+  EXPECT_EQ((*h)[0].generation >> kGenerationCountBits, 5u);
+  ASSERT_TRUE(table.Free({&(*h)[0], 1}).ok());
+  table.Reclaimed(std::vector<int64_t>{0});
+  auto again = table.Allocate(1);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ((*again)[0].page_id, 0u);
+  EXPECT_EQ((*again)[0].generation, (*h)[0].generation + 1);
+  const absl::Status stale = table.CheckHandle((*h)[0]);
+  EXPECT_EQ(stale.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(ReasonOf(stale), ErrorReason::kStalePageHandle);
+  EXPECT_EQ(std::string(stale.message()).find(std::to_string((*again)[0].generation)),
+            std::string::npos)
+      << "a stale handle's error names the new owner's generation: " << stale.message();
+  // Same page id and count, another incarnation: refused.
+  PageHandle foreign{0, (uint64_t{6} << kGenerationCountBits) | 2};
+  EXPECT_EQ(ReasonOf(table.CheckHandle(foreign)), ErrorReason::kStalePageHandle);
+}
+
+TEST(PageTableTest, FreeOfAPinnedPageDefersItsReclaimAndIgnoresTheWritersMarks) {
+  PageTable table("p", 2, 4, 1, 1);
+  auto h = *table.Allocate(2);
+  auto pin = table.PinPages({&h[0], 1}, /*exclusive=*/true);
+  ASSERT_TRUE(pin.ok());
+  auto to_zero = table.Free(h);
+  ASSERT_TRUE(to_zero.ok());
+  EXPECT_EQ(*to_zero, std::vector<int64_t>{1});  // page 0 is still being written
+  const int64_t tokens[] = {0, 1};
+  EXPECT_EQ(table.Unpin(*pin, 0, tokens), std::vector<int64_t>{0});
+  EXPECT_EQ(table.counts().tokens_held, 0);  // the freed page's write is not counted
+  EXPECT_EQ(table.counts().pages_free, 0);   // nothing reclaimed until zeroed
+  table.Reclaimed(std::vector<int64_t>{0, 1});
+  EXPECT_EQ(table.counts().pages_free, 2);
+}
+
+TEST(PageTableTest, WritersOfOnePageTakeTurnsAndAFreeWakesAWaiterWithAnError) {
+  PageTable table("p", 1, 4, 1, 1);
+  auto h = *table.Allocate(1);
+  auto first = table.PinPages(h, true);
+  ASSERT_TRUE(first.ok());
+  absl::Status second_status;
+  std::thread second([&] { second_status = table.PinPages(h, true).status(); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  // Readers never wait for writers.
+  auto reader = table.PinPages(h, false);
+  ASSERT_TRUE(reader.ok());
+  table.Unpin(*reader);
+  ASSERT_TRUE(table.Free(h).ok());
+  table.Unpin(*first);
+  second.join();
+  EXPECT_EQ(ReasonOf(second_status), ErrorReason::kStalePageHandle);
+}
+
+TEST(PageTableTest, DeletedPoolRefusesPins) {
+  PageTable table("p", 1, 4, 1, 1);
+  auto h = *table.Allocate(1);
+  table.MarkDeleted();
+  const absl::Status s = table.PinPages(h, true).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(ReasonOf(s), ErrorReason::kPoolDeleted);
+}
+
+// ---- writes and reads against the goldens -----------------------------------------------------
+
+TEST(CoreGoldenTest, RowsWritePagesReadWorkspaceAndTranscodeMatchTheGoldens) {
+  for (const testing::GoldenCase& c : testing::GoldenCases()) {
+    const auto rows = testing::ReadArray<uint16_t>(c.file("input.bf16"));
+    const auto locs = testing::ReadArray<int64_t>(c.file("locs.i64"));
+    for (Layout layout : testing::AllLayouts()) {
+      SCOPED_TRACE(c.name + "." + LayoutName(layout));
+      auto pool = MakePool(layout, c.page_size, c.num_pages);
+      const auto handles = *pool->AllocatePages(c.num_pages);  // page i at index i
+      std::vector<TokenLocation> where;
+      for (int64_t loc : locs) {
+        where.push_back({handles[loc / c.page_size], static_cast<uint32_t>(loc % c.page_size)});
+      }
+      auto write = StagedWrite::ForRows(pool, 0, WriteLimits{});
+      ASSERT_TRUE(write.ok());
+      // In three messages, to cross message boundaries.
+      const size_t third = where.size() / 3 + 1;
+      for (size_t at = 0; at < where.size(); at += third) {
+        const size_t n = std::min(third, where.size() - at);
+        ASSERT_TRUE((*write)->AddRows({where.data() + at, n},
+                                      {reinterpret_cast<const uint8_t*>(rows.data() + at * 512), n * 1024})
+                        .ok());
+      }
+      ASSERT_EQ(*(*write)->Commit(), static_cast<int64_t>(locs.size()));
+      const std::string l = LayoutName(layout);
+      // Batches of 1000 bytes: every page is its own batch, with two in flight.
+      EXPECT_EQ(*Drain(ReadPages(pool, handles, {}, std::nullopt, 1000)),
+                testing::ReadBytes(c.file("pool." + l + ".bin")));
+      EXPECT_EQ(*Drain(ReadPages(pool, handles, {}, Layout::kV4, 3 << 20)),
+                testing::ReadBytes(c.file("transcode." + l + "_to_v4.bin")));
+      auto workspace = *Drain(ReadWorkspace(pool, 0, where, 5 * 1024));
+      EXPECT_EQ(workspace, testing::ReadBytes(c.file("dequant." + l + ".bf16")));
+      EXPECT_EQ(pool->Stats().tokens_held, static_cast<int64_t>(locs.size()));
+
+      // The same bytes through a page write into a second pool.
+      auto copy = MakePool(layout, c.page_size, c.num_pages, 1, MakeCpuBackend(), 8);
+      const auto copy_handles = *copy->AllocatePages(c.num_pages);
+      const auto golden = testing::ReadBytes(c.file("pool." + l + ".bin"));
+      auto pages = StagedWrite::ForPages(copy, layout, WriteLimits{});
+      ASSERT_TRUE(pages.ok());
+      const int64_t pb = PageBytes(layout, c.page_size);
+      for (int64_t p = 0; p < c.num_pages; ++p) {  // each page in two halves
+        const uint8_t* page = golden.data() + p * pb;
+        ASSERT_TRUE((*pages)->AddPageBytes(copy_handles[p], 0, 0, {page, static_cast<size_t>(pb / 2)}).ok());
+        ASSERT_TRUE((*pages)->AddPageBytes(copy_handles[p], 0, pb / 2,
+                                           {page + pb / 2, static_cast<size_t>(pb - pb / 2)}).ok());
+      }
+      ASSERT_EQ(*(*pages)->Commit(), c.num_pages);
+      EXPECT_EQ(*Drain(ReadPages(copy, copy_handles, {}, std::nullopt, 1 << 20)), golden);
+    }
+  }
+}
+
+TEST(CoreReadTest, LayersInRequestOrderAndRepeatsRefused) {
+  auto pool = MakePool(Layout::kV41, 16, 4, 3);
+  const auto h = *pool->AllocatePages(2);
+  for (int layer = 0; layer < 3; ++layer) {
+    auto w = *StagedWrite::ForRows(pool, layer, WriteLimits{});
+    Where where = {{h[0], static_cast<uint32_t>(layer)}, {h[1], 5}};
+    ASSERT_TRUE(w->AddRows(where, AsBytes(testing::RandomRows(2, layer))).ok());
+    ASSERT_TRUE(w->Commit().ok());
+  }
+  const int64_t pb = PageBytes(Layout::kV41, 16);
+  const int64_t layers[] = {2, 0};
+  const auto out = *Drain(ReadPages(pool, h, layers, std::nullopt, 1));
+  ASSERT_EQ(static_cast<int64_t>(out.size()), 4 * pb);
+  // Expected: page-major, layers 2 then 0, straight from the pool's memory.
+  std::vector<uint8_t> expected;
+  for (const PageHandle& page : h) {
+    for (int64_t layer : layers) {
+      const uint8_t* at = pool->base() + (layer * 4 + static_cast<int64_t>(page.page_id)) * pb;
+      expected.insert(expected.end(), at, at + pb);
+    }
+  }
+  EXPECT_EQ(out, expected);
+  const int64_t repeated[] = {1, 1};
+  EXPECT_EQ(ReasonOf(ReadPages(pool, h, repeated, std::nullopt, 1 << 20).status()),
+            ErrorReason::kDuplicateLayer);
+}
+
+// ---- invalid writes -------------------------------------------------------------------------------
+
+TEST(CoreWriteTest, EveryInvalidPieceIsRefusedWithItsReasonAndChangesNothing) {
+  auto pool = MakePool(Layout::kV4, 16, 4, 2);
+  const auto h = *pool->AllocatePages(3);
+  const Snapshot before = Take(*pool);
+  auto rows = testing::RandomRows(2, 1);
+  struct Case {
+    const char* name;
+    std::vector<TokenLocation> where;
+    std::vector<uint8_t> bytes;
+    ErrorReason reason;
+  };
+  std::vector<uint8_t> good(AsBytes(rows).begin(), AsBytes(rows).end());
+  std::vector<uint8_t> nan = good;
+  nan[1024 + 2 * 100 + 1] = 0x7F;  // row 1, dim 100: 0x7Fxx with a high exponent
+  nan[1024 + 2 * 100] = 0xC0;
+  const std::vector<Case> cases = {
+      {"short rows", {{h[0], 0}, {h[0], 1}}, std::vector<uint8_t>(good.begin(), good.end() - 2),
+       ErrorReason::kBadRowLength},
+      {"slot", {{h[0], 16}, {h[0], 1}}, good, ErrorReason::kSlotOutOfRange},
+      {"page", {{PageHandle{9, h[0].generation}, 0}, {h[0], 1}}, good, ErrorReason::kPageOutOfRange},
+      {"repeat", {{h[1], 3}, {h[1], 3}}, good, ErrorReason::kDuplicateLocation},
+      {"nan", {{h[1], 3}, {h[1], 4}}, nan, ErrorReason::kNonFiniteValue},
+      {"stale", {{PageHandle{h[2].page_id, h[2].generation + 1}, 0}, {h[0], 0}}, good,
+       ErrorReason::kStalePageHandle},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    auto w = *StagedWrite::ForRows(pool, 1, WriteLimits{});
+    ASSERT_TRUE(w->AddRows(Where{{h[2], 0}}, {good.data(), 1024}).ok());  // a valid first piece
+    EXPECT_EQ(ReasonOf(w->AddRows(c.where, c.bytes)), c.reason);
+  }
+  EXPECT_EQ(ReasonOf(StagedWrite::ForRows(pool, 2, WriteLimits{}).status()),
+            ErrorReason::kLayerOutOfRange);
+  {  // limits: one set for rows and bytes
+    auto w = *StagedWrite::ForRows(pool, 0, WriteLimits{1, 1 << 20});
+    EXPECT_EQ(ReasonOf(w->AddRows(Where{{h[0], 0}, {h[0], 1}}, good)), ErrorReason::kWriteTooLarge);
+    auto p = *StagedWrite::ForPages(pool, Layout::kV4, WriteLimits{1 << 20, 100});
+    std::vector<uint8_t> page(PageBytes(Layout::kV4, 16), 1);
+    EXPECT_EQ(ReasonOf(p->AddPageBytes(h[0], 0, 0, page)), ErrorReason::kWriteTooLarge);
+  }
+  {  // an empty later message
+    auto w = *StagedWrite::ForRows(pool, 0, WriteLimits{});
+    ASSERT_TRUE(w->AddRows(Where{}, {}).ok());  // a first message may only name the target
+    ASSERT_TRUE(w->AddRows(Where{{h[0], 0}}, {good.data(), 1024}).ok());
+    EXPECT_EQ(ReasonOf(w->AddRows(Where{}, {})), ErrorReason::kInvalidRequest);
+  }
+  {  // page bytes: wrong layout, out of order, past the end, incomplete
+    EXPECT_EQ(ReasonOf(StagedWrite::ForPages(pool, Layout::kV41, WriteLimits{}).status()),
+              ErrorReason::kLayoutMismatch);
+    const int64_t pb = PageBytes(Layout::kV4, 16);
+    std::vector<uint8_t> page(pb, 3);
+    auto p = *StagedWrite::ForPages(pool, Layout::kV4, WriteLimits{});
+    EXPECT_EQ(ReasonOf(p->AddPageBytes(h[0], 0, 8, {page.data(), 8})), ErrorReason::kPageBytesOutOfOrder);
+    auto q = *StagedWrite::ForPages(pool, Layout::kV4, WriteLimits{});
+    std::vector<uint8_t> too_long(pb + 1, 3);
+    EXPECT_EQ(ReasonOf(q->AddPageBytes(h[0], 0, 0, too_long)), ErrorReason::kPageBytesOutOfOrder);
+    auto r = *StagedWrite::ForPages(pool, Layout::kV4, WriteLimits{});
+    ASSERT_TRUE(r->AddPageBytes(h[0], 1, 0, {page.data(), 100}).ok());
+    EXPECT_EQ(ReasonOf(r->Commit().status()), ErrorReason::kPageIncomplete);
+  }
+  EXPECT_TRUE(Take(*pool) == before);
+}
+
+TEST(CoreWriteTest, CommitAfterAFreeOfOneOfItsPagesStoresNothing) {
+  auto pool = MakePool(Layout::kV41Fp4, 8, 2);
+  const auto h = *pool->AllocatePages(2);
+  auto w = *StagedWrite::ForRows(pool, 0, WriteLimits{});
+  ASSERT_TRUE(w->AddRows(Where{{h[0], 0}, {h[1], 0}}, AsBytes(testing::RandomRows(2, 2))).ok());
+  ASSERT_TRUE(pool->FreePages({&h[1], 1}).ok());
+  const Snapshot before = Take(*pool);
+  EXPECT_EQ(ReasonOf(w->Commit().status()), ErrorReason::kStalePageHandle);
+  EXPECT_TRUE(Take(*pool) == before);
+}
+
+// ---- device failures ---------------------------------------------------------------------------
+
+// Runs `op` with the Nth backend event failing, for N = 1, 2, ... until it succeeds without a
+// fault; after each failure `check` must hold. Returns the number of failures seen.
+int EveryFailure(testing::FaultBackend& fault, const std::function<absl::Status()>& op,
+                 const std::function<void(const absl::Status&)>& check) {
+  int failures = 0;
+  for (int64_t n = 1; n < 1000; ++n) {
+    fault.FailAt(n);
+    const absl::Status s = op();
+    const bool fired = fault.fired() && fault.events() >= n;
+    fault.FailAt(0);
+    if (s.ok() && n > fault.events()) return failures;  // ran to the end without the fault
+    if (!fired && s.ok()) continue;
+    EXPECT_FALSE(s.ok()) << "event " << n << " failed but the op reported success";
+    ++failures;
+    check(s);
+  }
+  ADD_FAILURE() << "never finished";
+  return failures;
+}
+
+TEST(CoreFaultTest, EveryAllocationCopyAndOpFailureOfAWriteLeavesThePoolAsItWas) {
+  auto fault = std::make_shared<testing::FaultBackend>(MakeCpuBackend());
+  auto pool = MakePool(Layout::kV41, 16, 8, 2, fault);
+  const auto h = *pool->AllocatePages(4);
+  {  // known content
+    auto w = *StagedWrite::ForRows(pool, 1, WriteLimits{});
+    ASSERT_TRUE(w->AddRows(Where{{h[0], 1}, {h[3], 2}}, AsBytes(testing::RandomRows(2, 9))).ok());
+    ASSERT_TRUE(w->Commit().ok());
+  }
+  const Snapshot before = Take(*pool);
+  // Rows in five messages of 1000 rows: several arena chunks and copies.
+  const auto rows = testing::RandomRows(64, 10);
+  auto rows_write = [&]() -> absl::Status {
+    auto w = StagedWrite::ForRows(pool, 1, WriteLimits{});
+    if (!w.ok()) return w.status();
+    for (int m = 0; m < 4; ++m) {
+      std::vector<TokenLocation> where;
+      for (int i = 0; i < 16; ++i) where.push_back({h[m], static_cast<uint32_t>(i)});
+      absl::Status s = (*w)->AddRows(where, {reinterpret_cast<const uint8_t*>(rows.data() + m * 16 * 512), 16 * 1024});
+      if (!s.ok()) return s;
+    }
+    return (*w)->Commit().status();
+  };
+  const int failures = EveryFailure(*fault, rows_write, [&](const absl::Status&) {
+    EXPECT_TRUE(Take(*pool) == before) << "a failed rows write changed the pool";
+  });
+  EXPECT_GE(failures, 3);  // arena chunk, device staging, copies, the quantize op
+  const int64_t pb = PageBytes(Layout::kV41, 16);
+  std::vector<uint8_t> page(pb, 0x5A);
+  auto pages_write = [&]() -> absl::Status {
+    auto w = StagedWrite::ForPages(pool, Layout::kV41, WriteLimits{});
+    if (!w.ok()) return w.status();
+    for (int m = 0; m < 3; ++m) {
+      absl::Status s = (*w)->AddPageBytes(h[m], m % 2, 0, page);
+      if (!s.ok()) return s;
+    }
+    return (*w)->Commit().status();
+  };
+  // The rows write finally succeeded: take the new state as the baseline.
+  const Snapshot after_rows = Take(*pool);
+  EXPECT_FALSE(after_rows == before);
+  EXPECT_GE(EveryFailure(*fault, pages_write, [&](const absl::Status&) {
+              EXPECT_TRUE(Take(*pool) == after_rows) << "a failed page write changed the pool";
+            }),
+            3);
+  // Reads: every failure is an error, and the pins are released (the page can be freed
+  // and is reclaimed).
+  const Snapshot stable = Take(*pool);
+  auto read = [&]() -> absl::Status {
+    return Drain(ReadPages(pool, h, {}, Layout::kV4, 2 * pb)).status();
+  };
+  EXPECT_GE(EveryFailure(*fault, read, [&](const absl::Status&) { EXPECT_TRUE(Take(*pool) == stable); }), 4);
+  // Frees: a failed zeroing keeps the pages back; the next allocation zeroes them.
+  fault->FailAt(2);  // the zero op (after the ids allocation)
+  EXPECT_EQ(ReasonOf(pool->FreePages(h)), ErrorReason::kDeviceError);
+  fault->FailAt(0);
+  EXPECT_EQ(pool->Stats().pages_free, 4);  // 4 never allocated; the freed 4 are held back
+  const auto again = *pool->AllocatePages(8);
+  std::vector<uint8_t> all(pool->base(), pool->base() + pool->Stats().pool_bytes);
+  EXPECT_EQ(all, std::vector<uint8_t>(all.size(), 0));
+  EXPECT_EQ(pool->Stats().tokens_held, 0);
+  EXPECT_EQ(pool->Stats().pages_used, 8);
+}
+
+// ---- manager -------------------------------------------------------------------------------------
+
+TEST(PoolManagerTest, NamesIncarnationsTotalsAndDeletion) {
+  PoolManager manager(PoolManagerOptions{"cpu", nullptr, nullptr});
+  PoolConfig config{"a", Layout::kV4, 16, 4, 1};
+  auto a = manager.Create(config, "");
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(ReasonOf(manager.Create(config, "").status()), ErrorReason::kPoolExists);
+  config.name = "bad name";
+  EXPECT_EQ(ReasonOf(manager.Create(config, "").status()), ErrorReason::kInvalidName);
+  config.name = "b";
+  EXPECT_EQ(ReasonOf(manager.Create(config, "gpu").status()), ErrorReason::kUnknownDevice);
+  EXPECT_EQ(ReasonOf(manager.Get("b").status()), ErrorReason::kPoolNotFound);  // failed create left nothing
+  config.num_layers = 0;
+  EXPECT_EQ(ReasonOf(manager.Create(config, "").status()), ErrorReason::kInvalidGeometry);
+  config.num_layers = 2;
+  auto b = manager.Create(config, "cpu");
+  ASSERT_TRUE(b.ok());
+  EXPECT_NE((*a)->id(), (*b)->id());
+  auto w = *StagedWrite::ForRows(*b, 1, WriteLimits{});
+  const auto h = *(*b)->AllocatePages(1);
+  ASSERT_TRUE(w->AddRows(Where{{h[0], 0}, {h[0], 1}}, AsBytes(testing::RandomRows(2, 3))).ok());
+  ASSERT_TRUE(w->Commit().ok());
+  const DaemonStats stats = manager.Stats();
+  ASSERT_EQ(stats.pools.size(), 2u);
+  EXPECT_EQ(stats.pools[0].name, "a");
+  EXPECT_EQ(stats.tokens_held, 2);
+  EXPECT_EQ(stats.records_held, 2);
+  EXPECT_EQ(stats.pool_bytes, stats.pools[0].pool_bytes + stats.pools[1].pool_bytes);
+  // V4 at 16 tokens a page: 17 x 576 bytes, 612 bytes a token.
+  EXPECT_DOUBLE_EQ(stats.bytes_saved_vs_bf16, 2 * (1024.0 - 612.0));
+  // A write begun on a deleted pool fails at commit.
+  auto late = *StagedWrite::ForRows(*b, 0, WriteLimits{});
+  ASSERT_TRUE(late->AddRows(Where{{h[0], 2}}, AsBytes(testing::RandomRows(1, 4))).ok());
+  ASSERT_TRUE(manager.Delete("b").ok());
+  EXPECT_EQ(ReasonOf(late->Commit().status()), ErrorReason::kPoolDeleted);
+  EXPECT_EQ(ReasonOf(manager.Delete("b")), ErrorReason::kPoolNotFound);
+}
+
+TEST(PoolManagerTest, ConcurrentWritersOfDisjointPagesAllLandExactly) {
+  PoolManager manager(PoolManagerOptions{"cpu", nullptr, nullptr});
+  auto pool = *manager.Create(PoolConfig{"c", Layout::kV4, 64, 32, 1}, "");
+  std::vector<std::thread> threads;
+  std::atomic<int> failures{0};
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      const auto h = *pool->AllocatePages(4);
+      const auto rows = testing::RandomRows(256, 50 + t);
+      for (int round = 0; round < 5; ++round) {
+        auto w = *StagedWrite::ForRows(pool, 0, WriteLimits{});
+        std::vector<TokenLocation> where;
+        for (int i = 0; i < 256; ++i) where.push_back({h[i / 64], static_cast<uint32_t>(i % 64)});
+        if (!w->AddRows(where, AsBytes(rows)).ok() || !w->Commit().ok()) ++failures;
+        auto back = Drain(ReadWorkspace(pool, 0, where, 64 * 1024));
+        // Reference: the same rows through the CPU reference in a 4-page pool.
+        const PoolGeometry g{Layout::kV4, 64, 4};
+        std::vector<uint8_t> ref(g.pool_bytes(), 0);
+        std::vector<int64_t> locs(256);
+        for (int i = 0; i < 256; ++i) locs[i] = i;
+        std::vector<uint16_t> expected(256 * 512);
+        if (!reference::QuantizeStore(g, rows, locs, ref).ok() ||
+            !reference::DequantizeGather(g, ref, locs, expected).ok() || !back.ok() ||
+            *back != std::vector<uint8_t>(AsBytes(expected).begin(), AsBytes(expected).end())) {
+          ++failures;
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(pool->Stats().tokens_held, 8 * 256);
+}
+
+}  // namespace
+}  // namespace kvferry::server
