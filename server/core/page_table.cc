@@ -142,7 +142,7 @@ absl::StatusOr<PageTable::Pin> PageTable::PinPages(std::span<const PageHandle> h
   Pin pin;
   pin.exclusive = exclusive;
   absl::MutexLock lock(&mu_);
-  auto check = [&]() -> absl::Status {
+  auto check = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
     if (deleted_) {
       return Error(absl::StatusCode::kAborted, ErrorReason::kPoolDeleted,
                    absl::StrCat("pool '", pool_name_, "' was deleted"));
