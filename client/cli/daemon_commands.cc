@@ -1,0 +1,618 @@
+// `kvferry pool|pages|put|get-pages|get-workspace|stats|bench|health`.
+#include "daemon_commands.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <iomanip>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include <unistd.h>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "file_io.h"
+#include "format_commands.h"
+#include "kvferry/client/client.h"
+
+namespace kvferry::cli {
+namespace {
+
+using client::Client;
+using client::PageHandle;
+using client::TokenLocation;
+using nlohmann::json;
+
+constexpr const char* kUsage = R"(Daemon commands (global options: --target HOST:PORT, default 127.0.0.1:50051;
+--json for machine-readable output; --timeout SECONDS; --help after any command):
+  kvferry pool create NAME --layout v4|v41|v41_fp4 --page-size N --pages N [--layers N] [--device D]
+  kvferry pool list | pool describe NAME | pool delete NAME
+  kvferry pages alloc POOL COUNT --out PAGES.json
+  kvferry pages free POOL --pages PAGES.json
+  kvferry put POOL --pages PAGES.json --layer L --rows ROWS.bf16 --locs LOCS.i64
+  kvferry get-pages POOL --pages PAGES.json [--layers 0,1] [--transcode-to LAYOUT] --out FILE
+  kvferry get-workspace POOL --pages PAGES.json --layer L --locs LOCS.i64 --out FILE
+  kvferry stats
+  kvferry bench [--layout v41] [--page-size 64] [--tokens N] [--device D]
+  kvferry health
+PAGES.json is [{"page_id": .., "generation": ..}, ...]; a location in LOCS.i64 is
+i * page_size + slot, i indexing PAGES.json. Exit 0 on success, 2 on a usage error, 1 on
+an error (message on stderr).
+)";
+
+// An error with its exit code.
+struct Failure {
+  int code;
+  std::string message;
+};
+
+// The words of one command line: positionals, --name value options, and flags.
+class Words {
+ public:
+  // Options that take no value.
+  static inline const std::set<std::string> kFlags = {"json", "help"};
+
+  static std::optional<Failure> Parse(const std::vector<std::string>& words, Words* out) {
+    for (size_t i = 0; i < words.size(); ++i) {
+      const std::string& w = words[i];
+      if (w.rfind("--", 0) != 0 || w.size() < 3) {
+        out->positional_.push_back(w);
+        continue;
+      }
+      std::string name = w.substr(2), value;
+      const size_t eq = name.find('=');
+      if (eq != std::string::npos) {
+        value = name.substr(eq + 1);
+        name = name.substr(0, eq);
+      } else if (kFlags.contains(name)) {
+        value = "true";
+      } else if (i + 1 < words.size()) {
+        value = words[++i];
+      } else {
+        return Failure{kExitUsage, absl::StrCat("option --", name, " needs a value")};
+      }
+      if (!out->options_.emplace(name, value).second) {
+        return Failure{kExitUsage, absl::StrCat("option --", name, " given twice")};
+      }
+    }
+    return std::nullopt;
+  }
+
+  const std::vector<std::string>& positional() const { return positional_; }
+  bool Has(const std::string& name) const { return options_.contains(name); }
+  std::optional<std::string> Get(const std::string& name) const {
+    auto it = options_.find(name);
+    if (it == options_.end()) return std::nullopt;
+    used_.insert(name);
+    return it->second;
+  }
+  // The first option the command did not read, if any.
+  std::optional<std::string> Unused() const {
+    for (const auto& [name, value] : options_) {
+      if (!used_.contains(name) && name != "target" && name != "json" && name != "timeout") return name;
+    }
+    return std::nullopt;
+  }
+
+ private:
+  std::vector<std::string> positional_;
+  std::map<std::string, std::string> options_;
+  mutable std::set<std::string> used_;
+};
+
+struct Context {
+  const Words& words;
+  Client& client;
+  std::ostream& out;
+  std::ostream& err;
+  bool json;
+  bool terminal;
+};
+
+Failure Usage(const std::string& message) { return Failure{kExitUsage, message}; }
+
+Failure FromStatus(const absl::Status& s) {
+  std::string reason = client::ErrorReason(s);
+  return Failure{kExitInvalidInput,
+                 absl::StrCat(absl::StatusCodeToString(s.code()),
+                              reason.empty() ? "" : absl::StrCat(" (", reason, ")"), ": ",
+                              s.message())};
+}
+
+std::optional<Failure> Required(const Words& w, const std::string& name, std::string* value) {
+  std::optional<std::string> v = w.Get(name);
+  if (!v.has_value()) return Usage(absl::StrCat("missing option --", name));
+  *value = *v;
+  return std::nullopt;
+}
+
+template <typename T>
+std::optional<Failure> ParseNumber(const std::string& what, const std::string& text, T* value) {
+  if (!absl::SimpleAtoi(text, value)) {
+    return Usage(absl::StrCat(what, " takes a non-negative integer, got '", text, "'"));
+  }
+  return std::nullopt;
+}
+
+std::optional<Failure> LayoutOption(const std::string& text, client::Layout* layout) {
+  if (!client::ParseLayout(text, layout)) {
+    return Usage(absl::StrCat("layout must be v4, v41 or v41_fp4, got '", text, "'"));
+  }
+  return std::nullopt;
+}
+
+#define KVF_CLI_TRY(expr)                             \
+  do {                                                \
+    if (std::optional<Failure> _f = (expr)) return _f; \
+  } while (false)
+
+std::optional<Failure> ReadPagesFile(const std::string& path, std::vector<PageHandle>* pages) {
+  std::ifstream in(path);
+  if (!in) return Failure{kExitInvalidInput, absl::StrCat("cannot read ", path)};
+  try {
+    const json doc = json::parse(in);
+    if (!doc.is_array()) throw std::runtime_error("not a JSON array");
+    for (const json& h : doc) {
+      pages->push_back(PageHandle{h.at("page_id").get<uint64_t>(), h.at("generation").get<uint64_t>()});
+    }
+  } catch (const std::exception& e) {
+    return Failure{kExitInvalidInput,
+                   absl::StrCat(path, ": expected [{\"page_id\": N, \"generation\": N}, ...]: ", e.what())};
+  }
+  return std::nullopt;
+}
+
+json PagesJson(const std::vector<PageHandle>& pages) {
+  json doc = json::array();
+  for (const PageHandle& h : pages) doc.push_back({{"page_id", h.page_id}, {"generation", h.generation}});
+  return doc;
+}
+
+std::optional<Failure> WriteText(const std::string& path, const std::string& text) {
+  const absl::Status s = WriteFileBytes(
+      path, std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(text.data()), text.size()));
+  if (!s.ok()) return Failure{kExitInvalidInput, std::string(s.message())};
+  return std::nullopt;
+}
+
+json PoolJson(const client::PoolInfo& p) {
+  return {{"name", p.spec.name},           {"layout", client::LayoutName(p.spec.layout)},
+          {"page_size", p.spec.page_size}, {"num_pages", p.spec.num_pages},
+          {"num_layers", p.spec.num_layers}, {"device", p.spec.device},
+          {"pool_id", p.pool_id},          {"page_bytes", p.page_bytes},
+          {"pool_bytes", p.pool_bytes},    {"pages_used", p.pages_used},
+          {"pages_free", p.pages_free},    {"tokens_held", p.tokens_held}};
+}
+
+// "1.5 GiB", "512 B".
+std::string HumanBytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 4) {
+    bytes /= 1024;
+    ++u;
+  }
+  std::ostringstream s;
+  s << std::fixed << std::setprecision(u == 0 ? 0 : 1) << bytes << " " << units[u];
+  return s.str();
+}
+
+void PrintPool(const Context& c, const client::PoolInfo& p) {
+  if (c.json) {
+    c.out << PoolJson(p).dump(2) << "\n";
+    return;
+  }
+  c.out << p.spec.name << ": " << client::LayoutName(p.spec.layout) << ", page size "
+        << p.spec.page_size << ", " << p.spec.num_pages << " pages x " << p.spec.num_layers
+        << " layers on " << p.spec.device << " (" << HumanBytes(p.pool_bytes) << "), "
+        << p.pages_used << " pages used, " << p.pages_free << " free, " << p.tokens_held
+        << " tokens\n";
+}
+
+// Resolves LOCS.i64 against PAGES.json.
+std::optional<Failure> Locations(const Context& c, const std::string& pool,
+                                 std::vector<TokenLocation>* where) {
+  std::string pages_path, locs_path;
+  KVF_CLI_TRY(Required(c.words, "pages", &pages_path));
+  KVF_CLI_TRY(Required(c.words, "locs", &locs_path));
+  std::vector<PageHandle> pages;
+  KVF_CLI_TRY(ReadPagesFile(pages_path, &pages));
+  absl::StatusOr<std::vector<int64_t>> locs = ReadFileArray<int64_t>(locs_path);
+  if (!locs.ok()) return Failure{kExitInvalidInput, std::string(locs.status().message())};
+  absl::StatusOr<client::PoolInfo> info = c.client.DescribePool(pool);
+  if (!info.ok()) return FromStatus(info.status());
+  const int64_t page_size = info->spec.page_size;
+  for (size_t i = 0; i < locs->size(); ++i) {
+    const int64_t loc = (*locs)[i];
+    if (loc < 0 || loc / page_size >= static_cast<int64_t>(pages.size())) {
+      return Failure{kExitInvalidInput,
+                     absl::StrCat(locs_path, ": location ", i, " (", loc, ") is outside the ",
+                                  pages.size(), " pages of ", pages_path)};
+    }
+    where->push_back({pages[loc / page_size], static_cast<uint32_t>(loc % page_size)});
+  }
+  return std::nullopt;
+}
+
+std::optional<Failure> Layer(const Words& w, uint32_t* layer) {
+  std::string text;
+  KVF_CLI_TRY(Required(w, "layer", &text));
+  return ParseNumber("--layer", text, layer);
+}
+
+std::optional<Failure> WriteBytes(const std::string& path, std::span<const uint8_t> bytes) {
+  const absl::Status s = WriteFileBytes(path, bytes);
+  if (!s.ok()) return Failure{kExitInvalidInput, std::string(s.message())};
+  return std::nullopt;
+}
+
+// ---- the commands ------------------------------------------------------------------------------
+
+std::optional<Failure> Pool(const Context& c) {
+  const auto& p = c.words.positional();
+  if (p.size() < 2) return Usage("pool needs a subcommand: create, list, describe or delete");
+  const std::string& sub = p[1];
+  if (sub == "list") {
+    if (p.size() != 2) return Usage("pool list takes no name");
+    absl::StatusOr<std::vector<client::PoolInfo>> pools = c.client.ListPools();
+    if (!pools.ok()) return FromStatus(pools.status());
+    if (c.json) {
+      json doc = json::array();
+      for (const auto& pool : *pools) doc.push_back(PoolJson(pool));
+      c.out << doc.dump(2) << "\n";
+    } else {
+      for (const auto& pool : *pools) PrintPool(c, pool);
+    }
+    return std::nullopt;
+  }
+  if (p.size() != 3) return Usage(absl::StrCat("pool ", sub, " needs exactly one NAME"));
+  const std::string& name = p[2];
+  if (sub == "create") {
+    client::PoolSpec spec;
+    spec.name = name;
+    std::string text;
+    KVF_CLI_TRY(Required(c.words, "layout", &text));
+    KVF_CLI_TRY(LayoutOption(text, &spec.layout));
+    KVF_CLI_TRY(Required(c.words, "page-size", &text));
+    KVF_CLI_TRY(ParseNumber("--page-size", text, &spec.page_size));
+    KVF_CLI_TRY(Required(c.words, "pages", &text));
+    KVF_CLI_TRY(ParseNumber("--pages", text, &spec.num_pages));
+    if (auto layers = c.words.Get("layers")) KVF_CLI_TRY(ParseNumber("--layers", *layers, &spec.num_layers));
+    if (auto device = c.words.Get("device")) spec.device = *device;
+    if (auto unused = c.words.Unused()) return Usage(absl::StrCat("unknown option --", *unused));
+    absl::StatusOr<client::PoolInfo> info = c.client.CreatePool(spec);
+    if (!info.ok()) return FromStatus(info.status());
+    PrintPool(c, *info);
+    return std::nullopt;
+  }
+  if (auto unused = c.words.Unused()) return Usage(absl::StrCat("unknown option --", *unused));
+  if (sub == "describe") {
+    absl::StatusOr<client::PoolInfo> info = c.client.DescribePool(name);
+    if (!info.ok()) return FromStatus(info.status());
+    PrintPool(c, *info);
+    return std::nullopt;
+  }
+  if (sub == "delete") {
+    if (absl::Status s = c.client.DeletePool(name); !s.ok()) return FromStatus(s);
+    if (c.json) c.out << json{{"deleted", name}}.dump() << "\n";
+    return std::nullopt;
+  }
+  return Usage(absl::StrCat("unknown pool subcommand '", sub, "'"));
+}
+
+std::optional<Failure> Pages(const Context& c) {
+  const auto& p = c.words.positional();
+  if (p.size() >= 2 && p[1] == "alloc") {
+    if (p.size() != 4) return Usage("pages alloc needs POOL COUNT");
+    uint32_t count;
+    KVF_CLI_TRY(ParseNumber("COUNT", p[3], &count));
+    std::string out_path;
+    KVF_CLI_TRY(Required(c.words, "out", &out_path));
+    if (auto unused = c.words.Unused()) return Usage(absl::StrCat("unknown option --", *unused));
+    absl::StatusOr<std::vector<PageHandle>> pages = c.client.AllocatePages(p[2], count);
+    if (!pages.ok()) return FromStatus(pages.status());
+    if (auto f = WriteText(out_path, PagesJson(*pages).dump() + "\n")) {
+      c.client.FreePages(p[2], *pages).IgnoreError();  // nobody would know the handles
+      return f;
+    }
+    if (c.json) c.out << json{{"pool", p[2]}, {"allocated", pages->size()}, {"out", out_path}}.dump() << "\n";
+    return std::nullopt;
+  }
+  if (p.size() >= 2 && p[1] == "free") {
+    if (p.size() != 3) return Usage("pages free needs POOL");
+    std::string path;
+    KVF_CLI_TRY(Required(c.words, "pages", &path));
+    if (auto unused = c.words.Unused()) return Usage(absl::StrCat("unknown option --", *unused));
+    std::vector<PageHandle> pages;
+    KVF_CLI_TRY(ReadPagesFile(path, &pages));
+    if (absl::Status s = c.client.FreePages(p[2], pages); !s.ok()) return FromStatus(s);
+    if (c.json) c.out << json{{"pool", p[2]}, {"freed", pages.size()}}.dump() << "\n";
+    return std::nullopt;
+  }
+  return Usage("pages needs alloc or free");
+}
+
+std::optional<Failure> Put(const Context& c) {
+  const auto& p = c.words.positional();
+  if (p.size() != 2) return Usage("put needs POOL");
+  uint32_t layer;
+  KVF_CLI_TRY(Layer(c.words, &layer));
+  std::string rows_path;
+  KVF_CLI_TRY(Required(c.words, "rows", &rows_path));
+  std::vector<TokenLocation> where;
+  KVF_CLI_TRY(Locations(c, p[1], &where));
+  if (auto unused = c.words.Unused()) return Usage(absl::StrCat("unknown option --", *unused));
+  absl::StatusOr<std::vector<uint16_t>> rows = ReadFileArray<uint16_t>(rows_path);
+  if (!rows.ok()) return Failure{kExitInvalidInput, std::string(rows.status().message())};
+  absl::StatusOr<client::WriteResult> written = c.client.WriteTokens(p[1], layer, where, *rows);
+  if (!written.ok()) return FromStatus(written.status());
+  if (c.json) {
+    c.out << json{{"pool", p[1]}, {"layer", layer}, {"tokens_written", written->tokens_written}}.dump() << "\n";
+  } else {
+    c.out << written->tokens_written << " tokens written to " << p[1] << " layer " << layer << "\n";
+  }
+  return std::nullopt;
+}
+
+std::optional<Failure> GetPages(const Context& c) {
+  const auto& p = c.words.positional();
+  if (p.size() != 2) return Usage("get-pages needs POOL");
+  std::string pages_path, out_path;
+  KVF_CLI_TRY(Required(c.words, "pages", &pages_path));
+  KVF_CLI_TRY(Required(c.words, "out", &out_path));
+  std::vector<uint32_t> layers;
+  if (auto text = c.words.Get("layers")) {
+    for (absl::string_view part : absl::StrSplit(*text, ',')) {
+      uint32_t l;
+      KVF_CLI_TRY(ParseNumber("--layers", std::string(part), &l));
+      layers.push_back(l);
+    }
+  }
+  std::optional<client::Layout> transcode;
+  if (auto text = c.words.Get("transcode-to")) {
+    client::Layout l;
+    KVF_CLI_TRY(LayoutOption(*text, &l));
+    transcode = l;
+  }
+  if (auto unused = c.words.Unused()) return Usage(absl::StrCat("unknown option --", *unused));
+  std::vector<PageHandle> pages;
+  KVF_CLI_TRY(ReadPagesFile(pages_path, &pages));
+  absl::StatusOr<std::vector<uint8_t>> bytes = c.client.ReadPages(p[1], pages, layers, transcode);
+  if (!bytes.ok()) return FromStatus(bytes.status());
+  KVF_CLI_TRY(WriteBytes(out_path, *bytes));
+  if (c.json) c.out << json{{"pool", p[1]}, {"bytes", bytes->size()}, {"out", out_path}}.dump() << "\n";
+  return std::nullopt;
+}
+
+std::optional<Failure> GetWorkspace(const Context& c) {
+  const auto& p = c.words.positional();
+  if (p.size() != 2) return Usage("get-workspace needs POOL");
+  uint32_t layer;
+  KVF_CLI_TRY(Layer(c.words, &layer));
+  std::string out_path;
+  KVF_CLI_TRY(Required(c.words, "out", &out_path));
+  std::vector<TokenLocation> where;
+  KVF_CLI_TRY(Locations(c, p[1], &where));
+  if (auto unused = c.words.Unused()) return Usage(absl::StrCat("unknown option --", *unused));
+  absl::StatusOr<std::vector<uint16_t>> rows = c.client.ReadWorkspace(p[1], layer, where);
+  if (!rows.ok()) return FromStatus(rows.status());
+  KVF_CLI_TRY(WriteBytes(out_path, {reinterpret_cast<const uint8_t*>(rows->data()), rows->size() * 2}));
+  if (c.json) c.out << json{{"pool", p[1]}, {"rows", where.size()}, {"out", out_path}}.dump() << "\n";
+  return std::nullopt;
+}
+
+std::optional<Failure> StatsCommand(const Context& c) {
+  if (c.words.positional().size() != 1) return Usage("stats takes no arguments");
+  if (auto unused = c.words.Unused()) return Usage(absl::StrCat("unknown option --", *unused));
+  absl::StatusOr<client::Stats> stats = c.client.GetStats();
+  if (!stats.ok()) return FromStatus(stats.status());
+  if (c.json) {
+    json pools = json::array();
+    for (const auto& s : stats->pools) {
+      pools.push_back({{"name", s.name}, {"layout", client::LayoutName(s.layout)},
+                       {"page_size", s.page_size}, {"pages_used", s.pages_used},
+                       {"pages_free", s.pages_free}, {"tokens_held", s.tokens_held},
+                       {"records_held", s.records_held}, {"pool_bytes", s.pool_bytes},
+                       {"nominal_bytes_per_token", s.nominal_bytes_per_token},
+                       {"effective_bytes_per_token", s.effective_bytes_per_token},
+                       {"bytes_saved_vs_bf16", s.bytes_saved_vs_bf16},
+                       {"bytes_saved_vs_v4", s.bytes_saved_vs_v4}});
+    }
+    c.out << json{{"pools", pools}, {"tokens_held", stats->tokens_held},
+                  {"records_held", stats->records_held}, {"pool_bytes", stats->pool_bytes},
+                  {"bytes_saved_vs_bf16", stats->bytes_saved_vs_bf16},
+                  {"bytes_saved_vs_v4", stats->bytes_saved_vs_v4}}
+                 .dump(2)
+          << "\n";
+    return std::nullopt;
+  }
+  std::ostream& o = c.out;
+  o << std::left << std::setw(20) << "POOL" << std::setw(9) << "LAYOUT" << std::right
+    << std::setw(12) << "PAGES USED" << std::setw(12) << "PAGES FREE" << std::setw(12) << "TOKENS"
+    << std::setw(15) << "B/TOKEN NOM" << std::setw(15) << "B/TOKEN EFF" << std::setw(14)
+    << "SAVED v bf16" << std::setw(14) << "SAVED v V4" << "\n";
+  for (const auto& s : stats->pools) {
+    o << std::left << std::setw(20) << s.name << std::setw(9) << client::LayoutName(s.layout)
+      << std::right << std::setw(12) << s.pages_used << std::setw(12) << s.pages_free
+      << std::setw(12) << s.tokens_held << std::setw(15) << std::fixed << std::setprecision(1)
+      << s.nominal_bytes_per_token << std::setw(15) << s.effective_bytes_per_token << std::setw(14)
+      << HumanBytes(s.bytes_saved_vs_bf16) << std::setw(14) << HumanBytes(s.bytes_saved_vs_v4)
+      << "\n";
+  }
+  o << "total: " << stats->tokens_held << " tokens, " << stats->records_held << " records in "
+    << HumanBytes(stats->pool_bytes) << " of pools; saved " << HumanBytes(stats->bytes_saved_vs_bf16)
+    << " against bf16, " << HumanBytes(stats->bytes_saved_vs_v4) << " against V4\n";
+  return std::nullopt;
+}
+
+std::optional<Failure> Health(const Context& c) {
+  if (c.words.positional().size() != 1) return Usage("health takes no arguments");
+  if (auto unused = c.words.Unused()) return Usage(absl::StrCat("unknown option --", *unused));
+  if (absl::Status s = c.client.Health(); !s.ok()) return FromStatus(s);
+  c.out << (c.json ? "{\"status\": \"SERVING\"}\n" : "SERVING\n");
+  return std::nullopt;
+}
+
+// Throughput of a fresh pool: WriteTokens, ReadWorkspace and ReadPages of --tokens tokens.
+std::optional<Failure> Bench(const Context& c) {
+  if (c.words.positional().size() != 1) return Usage("bench takes no positional arguments");
+  client::Layout layout = client::Layout::kV41;
+  uint32_t page_size = 64;
+  uint64_t tokens = 1 << 18;
+  if (auto t = c.words.Get("layout")) KVF_CLI_TRY(LayoutOption(*t, &layout));
+  if (auto t = c.words.Get("page-size")) KVF_CLI_TRY(ParseNumber("--page-size", *t, &page_size));
+  if (auto t = c.words.Get("tokens")) KVF_CLI_TRY(ParseNumber("--tokens", *t, &tokens));
+  const std::string device = c.words.Get("device").value_or("");
+  if (auto unused = c.words.Unused()) return Usage(absl::StrCat("unknown option --", *unused));
+  if (tokens == 0 || page_size == 0) return Usage("--tokens and --page-size must be positive");
+  constexpr uint64_t kPerCall = 16384;
+  const uint64_t pages_needed = (tokens + page_size - 1) / page_size;
+  const std::string pool = absl::StrCat("kvferry-bench-", getpid());
+  absl::StatusOr<client::PoolInfo> info =
+      c.client.CreatePool({pool, layout, page_size, pages_needed, 1, device});
+  if (!info.ok()) return FromStatus(info.status());
+  struct Cleanup {
+    Client& client;
+    std::string pool;
+    ~Cleanup() { client.DeletePool(pool).IgnoreError(); }
+  } cleanup{c.client, pool};
+  std::vector<PageHandle> pages;
+  while (pages.size() < pages_needed) {
+    absl::StatusOr<std::vector<PageHandle>> more = c.client.AllocatePages(
+        pool, static_cast<uint32_t>(std::min<uint64_t>(65536, pages_needed - pages.size())));
+    if (!more.ok()) return FromStatus(more.status());
+    pages.insert(pages.end(), more->begin(), more->end());
+  }
+  // Random finite rows (bf16 of N(0,1)-ish values), written call by call.
+  std::mt19937 random(1);
+  std::normal_distribution<float> normal;
+  std::vector<uint16_t> rows(kPerCall * 512);
+  for (auto& v : rows) {
+    float f = normal(random);
+    uint32_t bits;
+    std::memcpy(&bits, &f, 4);
+    v = static_cast<uint16_t>(bits >> 16);
+  }
+  auto progress = [&](const char* what, uint64_t done) {
+    if (!c.terminal) return;
+    const int width = 40;
+    const int filled = static_cast<int>(width * done / tokens);
+    c.err << "\r" << std::left << std::setw(14) << what << " [" << std::string(filled, '#')
+          << std::string(width - filled, ' ') << "] " << std::setw(3) << (100 * done / tokens) << "%"
+          << std::flush;
+    if (done == tokens) c.err << "\n";
+  };
+  auto locations = [&](uint64_t first, uint64_t n) {
+    std::vector<TokenLocation> where(n);
+    for (uint64_t i = 0; i < n; ++i) {
+      where[i] = {pages[(first + i) / page_size], static_cast<uint32_t>((first + i) % page_size)};
+    }
+    return where;
+  };
+  using Clock = std::chrono::steady_clock;
+  json results = json::object();
+  auto run = [&](const char* name, uint64_t bytes_per_token,
+                 const std::function<absl::Status(uint64_t, uint64_t)>& call) -> std::optional<Failure> {
+    const auto start = Clock::now();
+    for (uint64_t first = 0; first < tokens; first += kPerCall) {
+      const uint64_t n = std::min(kPerCall, tokens - first);
+      if (absl::Status s = call(first, n); !s.ok()) return FromStatus(s);
+      progress(name, first + n);
+    }
+    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    const double gbps = tokens * bytes_per_token / seconds / 1e9;
+    results[name] = {{"seconds", seconds}, {"tokens_per_second", tokens / seconds}, {"gb_per_second", gbps}};
+    if (!c.json) {
+      c.out << std::left << std::setw(14) << name << std::right << std::setw(12) << std::fixed
+            << std::setprecision(0) << tokens / seconds << " tokens/s " << std::setw(8)
+            << std::setprecision(2) << gbps << " GB/s\n";
+    }
+    return std::nullopt;
+  };
+  KVF_CLI_TRY(run("WriteTokens", 1024, [&](uint64_t first, uint64_t n) {
+    return c.client.WriteTokens(pool, 0, locations(first, n), {rows.data(), n * 512}).status();
+  }));
+  std::vector<uint16_t> back(kPerCall * 512);
+  KVF_CLI_TRY(run("ReadWorkspace", 1024, [&](uint64_t first, uint64_t n) {
+    return c.client.ReadWorkspaceInto(pool, 0, locations(first, n), {back.data(), n * 512});
+  }));
+  const uint64_t page_bytes = info->page_bytes;
+  std::vector<uint8_t> page_buffer;
+  KVF_CLI_TRY(run("ReadPages", page_bytes / page_size, [&](uint64_t first, uint64_t n) {
+    const uint64_t p0 = first / page_size, p1 = (first + n + page_size - 1) / page_size;
+    page_buffer.resize((p1 - p0) * page_bytes);
+    return c.client.ReadPagesInto(pool, std::span<const PageHandle>(pages).subspan(p0, p1 - p0), {},
+                                  std::nullopt, page_buffer).status();
+  }));
+  if (c.json) {
+    results["tokens"] = tokens;
+    results["layout"] = client::LayoutName(layout);
+    results["page_size"] = page_size;
+    c.out << results.dump(2) << "\n";
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+bool IsDaemonCommand(const std::string& command) {
+  static const std::set<std::string> kCommands = {"pool", "pages", "put", "get-pages",
+                                                  "get-workspace", "stats", "bench", "health"};
+  return kCommands.contains(command);
+}
+
+const char* DaemonUsage() { return kUsage; }
+
+int RunDaemonCommand(const std::vector<std::string>& args, std::ostream& out, std::ostream& err,
+                     bool err_is_terminal) {
+  Words words;
+  if (std::optional<Failure> f = Words::Parse(args, &words)) {
+    err << "kvferry: " << f->message << "\n" << kUsage;
+    return f->code;
+  }
+  if (words.Has("help")) {
+    out << kUsage;
+    return kExitOk;
+  }
+  client::ClientOptions options;
+  if (auto target = words.Get("target")) options.target = *target;
+  if (auto timeout = words.Get("timeout")) {
+    double seconds;
+    if (!absl::SimpleAtod(*timeout, &seconds) || seconds <= 0) {
+      err << "kvferry: --timeout takes a positive number of seconds\n";
+      return kExitUsage;
+    }
+    options.timeout = absl::Seconds(seconds);
+  }
+  absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
+  if (!client.ok()) {
+    err << "kvferry: " << client.status().message() << "\n";
+    return kExitInvalidInput;
+  }
+  const Context c{words, **client, out, err, words.Has("json"), err_is_terminal};
+  const std::string& command = words.positional().front();
+  std::optional<Failure> failure;
+  if (command == "pool") failure = Pool(c);
+  else if (command == "pages") failure = Pages(c);
+  else if (command == "put") failure = Put(c);
+  else if (command == "get-pages") failure = GetPages(c);
+  else if (command == "get-workspace") failure = GetWorkspace(c);
+  else if (command == "stats") failure = StatsCommand(c);
+  else if (command == "bench") failure = Bench(c);
+  else if (command == "health") failure = Health(c);
+  if (failure.has_value()) {
+    err << "kvferry " << command << ": " << failure->message << "\n";
+    if (failure->code == kExitUsage) err << kUsage;
+    return failure->code;
+  }
+  return kExitOk;
+}
+
+}  // namespace kvferry::cli

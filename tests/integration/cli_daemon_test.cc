@@ -1,0 +1,125 @@
+// The `kvferry` command against a real kvferryd: every daemon subcommand in the exact forms
+// scripts rely on, exit codes (0 / 1 / 2), and the --json output parsed.
+#include <nlohmann/json.hpp>
+
+#include <cstdlib>
+#include <fstream>
+
+#include "common/golden.h"
+#include "daemon_harness.h"
+
+namespace kvferry {
+namespace {
+
+using nlohmann::json;
+
+struct CliRun {
+  int code;
+  std::string out, err;
+};
+
+class CliTest : public ::testing::Test {
+ protected:
+  // Runs `kvferry --target <daemon> <args>` through the shell.
+  CliRun Kvferry(const std::string& args) {
+    const std::string out = d_.dir() + "/out.txt", err = d_.dir() + "/err.txt";
+    const std::string command = std::string(KVFERRY_CLI) + " --target 127.0.0.1:" +
+                                std::to_string(d_.grpc_port()) + " " + args + " > " + out +
+                                " 2> " + err;
+    const int status = std::system(command.c_str());
+    return CliRun{WIFEXITED(status) ? WEXITSTATUS(status) : -1, Slurp(out), Slurp(err)};
+  }
+  static std::string Slurp(const std::string& path) {
+    std::ifstream in(path);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  }
+  std::string Path(const std::string& name) { return d_.dir() + "/" + name; }
+
+  testing::Daemon d_;
+};
+
+TEST_F(CliTest, GoldenRoundTripThroughEveryDataCommand) {
+  const testing::GoldenCase g = testing::GoldenCases().front();
+  CliRun r = Kvferry("pool create gold --layout v41_fp4 --page-size " + std::to_string(g.page_size) +
+                  " --pages " + std::to_string(g.num_pages) + " --layers 2 --device " +
+                  testing::TestDevice() + " --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const json pool = json::parse(r.out);
+  EXPECT_EQ(pool["name"], "gold");
+  EXPECT_EQ(pool["layout"], "v41_fp4");
+  EXPECT_EQ(pool["num_layers"], 2);
+  r = Kvferry("pages alloc gold " + std::to_string(g.num_pages) + " --out " + Path("pages.json"));
+  ASSERT_EQ(r.code, 0) << r.err;
+  const json pages = json::parse(Slurp(Path("pages.json")));
+  ASSERT_EQ(pages.size(), static_cast<size_t>(g.num_pages));
+  EXPECT_TRUE(pages[0].contains("page_id") && pages[0].contains("generation"));
+  r = Kvferry("put gold --pages " + Path("pages.json") + " --layer 1 --rows " + g.file("input.bf16") +
+              " --locs " + g.file("locs.i64") + " --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(json::parse(r.out)["tokens_written"], g.tokens);
+  r = Kvferry("get-pages gold --pages " + Path("pages.json") + " --layers 1 --out " + Path("p.bin"));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(testing::ReadBytes(Path("p.bin")), testing::ReadBytes(g.file("pool.v41_fp4.bin")));
+  r = Kvferry("get-pages gold --pages " + Path("pages.json") +
+              " --layers 1 --transcode-to v4 --out " + Path("t.bin"));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(testing::ReadBytes(Path("t.bin")), testing::ReadBytes(g.file("transcode.v41_fp4_to_v4.bin")));
+  r = Kvferry("get-workspace gold --pages " + Path("pages.json") + " --layer 1 --locs " +
+              g.file("locs.i64") + " --out " + Path("w.bin"));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(testing::ReadBytes(Path("w.bin")), testing::ReadBytes(g.file("dequant.v41_fp4.bf16")));
+  r = Kvferry("stats --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const json stats = json::parse(r.out);
+  EXPECT_EQ(stats["tokens_held"], g.tokens);
+  EXPECT_EQ(stats["pools"][0]["nominal_bytes_per_token"], 288.0);
+  r = Kvferry("stats");
+  ASSERT_EQ(r.code, 0);
+  EXPECT_NE(r.out.find("gold"), std::string::npos);
+  EXPECT_NE(r.out.find("288.0"), std::string::npos) << r.out;
+  r = Kvferry("pool list --json");
+  ASSERT_EQ(r.code, 0);
+  EXPECT_EQ(json::parse(r.out).size(), 1u);
+  r = Kvferry("pages free gold --pages " + Path("pages.json"));
+  ASSERT_EQ(r.code, 0) << r.err;
+  r = Kvferry("pool describe gold --json");
+  EXPECT_EQ(json::parse(r.out)["pages_used"], 0);
+  EXPECT_EQ(Kvferry("pool delete gold").code, 0);
+  EXPECT_EQ(Kvferry("pool list --json").out, "[]\n");
+}
+
+TEST_F(CliTest, ExitCodesSayUsageOrErrorAndMessagesNameTheReason) {
+  CliRun r = Kvferry("health");
+  EXPECT_EQ(r.code, 0);
+  EXPECT_EQ(r.out, "SERVING\n");
+  r = Kvferry("pool describe nope");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.err.find("POOL_NOT_FOUND"), std::string::npos) << r.err;
+  EXPECT_EQ(Kvferry("pool create x --layout v5 --page-size 16 --pages 1").code, 2);
+  EXPECT_EQ(Kvferry("pool create x --layout v4 --page-size 16").code, 2);  // --pages missing
+  EXPECT_EQ(Kvferry("pool create x --layout v4 --page-size 16 --pages 1 --bogus 1").code, 2);
+  EXPECT_EQ(Kvferry("pool create x --layout v4 --page-size 48 --pages 1").code, 1);  // daemon refuses
+  EXPECT_EQ(Kvferry("pages alloc").code, 2);
+  r = Kvferry("pages free x --pages " + Path("missing.json"));
+  EXPECT_EQ(r.code, 1);
+  r = Kvferry("pool --help");
+  EXPECT_EQ(r.code, 0);
+  EXPECT_NE(r.out.find("kvferry pool create NAME"), std::string::npos);
+  // No daemon there: health fails with exit 1.
+  const std::string command = std::string(KVFERRY_CLI) + " health --target 127.0.0.1:1 --timeout 2 > /dev/null 2>&1";
+  const int status = std::system(command.c_str());
+  EXPECT_EQ(WEXITSTATUS(status), 1);
+}
+
+TEST_F(CliTest, BenchReportsThroughputAsJson) {
+  const CliRun r = Kvferry("bench --tokens 2048 --page-size 16 --device " + testing::TestDevice() + " --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const json result = json::parse(r.out);
+  for (const char* op : {"WriteTokens", "ReadWorkspace", "ReadPages"}) {
+    EXPECT_GT(result[op]["tokens_per_second"].get<double>(), 0) << op;
+  }
+  EXPECT_EQ(Kvferry("pool list --json").out, "[]\n");  // its pool is gone
+}
+
+}  // namespace
+}  // namespace kvferry
