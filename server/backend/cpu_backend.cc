@@ -20,6 +20,11 @@ std::span<T> Span(T* p, int64_t count) {
   return {p, static_cast<size_t>(count)};
 }
 
+absl::Status NotOnHost(const char* what) {
+  return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kUnknownDevice,
+               absl::StrCat(what, " (memory of another process) needs a cuda pool"));
+}
+
 struct HostRunner {
   absl::Status operator()(const CopyOp& op) const {
     if (op.bytes > 0) std::memmove(op.dst, op.src, op.bytes);
@@ -30,11 +35,13 @@ struct HostRunner {
     return absl::OkStatus();
   }
   absl::Status operator()(const QuantizeStoreParams& p) const {
+    if (p.row_offsets != nullptr || p.nonfinite != nullptr) return NotOnHost("rows read in place");
     return reference::QuantizeStore(p.geometry, Span(p.rows, p.num_tokens * kHeadDim),
                                     Span(p.locs, p.num_tokens),
                                     Span(p.pool, p.geometry.pool_bytes()));
   }
   absl::Status operator()(const DequantizeGatherParams& p) const {
+    if (p.out_offsets != nullptr) return NotOnHost("rows written in place");
     const int64_t out_elems =
         p.num_tokens == 0 ? 0 : (p.num_tokens - 1) * p.out_row_stride + kHeadDim;
     return reference::DequantizeGather(p.geometry, Span(p.pool, p.geometry.pool_bytes()),
@@ -42,17 +49,20 @@ struct HostRunner {
                                        p.out_row_stride);
   }
   absl::Status operator()(const TranscodeParams& p) const {
+    if (p.dst_locs != nullptr) return NotOnHost("records transcoded in place");
     return reference::Transcode(p.from, Span(p.src, p.from.pool_bytes()), p.to,
                                 Span(p.dst, p.to.pool_bytes()), Span(p.locs, p.num_tokens));
   }
   absl::Status operator()(const GatherPagesOp& op) const {
     const PageCopyParams& p = op.params;
+    if (p.buffer_pages != nullptr) return NotOnHost("pages copied in place");
     return reference::GatherPages(p.geometry, Span(p.pool, p.geometry.pool_bytes()),
                                   Span(p.pages, p.num_listed),
                                   Span(p.buffer, p.geometry.buffer_bytes(p.num_listed)));
   }
   absl::Status operator()(const ScatterPagesOp& op) const {
     const PageCopyParams& p = op.params;
+    if (p.buffer_pages != nullptr) return NotOnHost("pages copied in place");
     return reference::ScatterPages(p.geometry, Span(p.buffer, p.geometry.buffer_bytes(p.num_listed)),
                                    Span(p.pages, p.num_listed),
                                    Span(p.pool, p.geometry.pool_bytes()));

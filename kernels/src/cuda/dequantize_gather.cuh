@@ -11,10 +11,12 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
                            const int64_t* __restrict__ locs,  // [n]
                            int64_t num_tokens, int64_t pool_tokens,
                            uint16_t* __restrict__ out,  // [n, out_row_stride] bf16
-                           int64_t out_row_stride) {
+                           int64_t out_row_stride,
+                           const int64_t* __restrict__ out_offsets) {  // [n] or null
   TokenRecord rec;
   if (!ReadTokenRecord<L, kLog2Page>(pool, locs, num_tokens, pool_tokens, rec)) return;
-  uint16_t* row = out + rec.token * out_row_stride;
+  uint16_t* row = out + (out_offsets != nullptr ? __ldg(out_offsets + rec.token)
+                                                : rec.token * out_row_stride);
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     uint16_t* dst = row + kChunk * ChunkOf<2>(rec.lane, k);
@@ -29,15 +31,16 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
 
 template <Layout L>
 absl::Status LaunchDequantizeGather(const DequantizeGatherParams& p, cudaStream_t stream) {
-  const bool aligned =
-      reinterpret_cast<uintptr_t>(p.out) % 16 == 0 && p.out_row_stride % kChunk == 0;
+  const bool aligned = reinterpret_cast<uintptr_t>(p.out) % 16 == 0 &&
+                       (p.out_offsets != nullptr ? p.out_offset_align % kChunk == 0
+                                                 : p.out_row_stride % kChunk == 0);
   return DispatchPageSize(p.geometry.page_size, [&](auto log2_page) {
     constexpr int kLog2Page = decltype(log2_page)::value;
     return LaunchKernel(aligned ? DequantizeGatherKernel<L, kLog2Page, true>
                                 : DequantizeGatherKernel<L, kLog2Page, false>,
                         BlocksFor(p.num_tokens), kThreadsPerBlock, stream,
                         "DequantizeGatherKernel", p.pool, p.locs, p.num_tokens,
-                        p.geometry.num_tokens(), p.out, p.out_row_stride);
+                        p.geometry.num_tokens(), p.out, p.out_row_stride, p.out_offsets);
   });
 }
 

@@ -13,7 +13,8 @@ template <bool kGather, typename Word>
 __global__ void __launch_bounds__(kCopyThreads)
     PageCopyKernel(uint8_t* __restrict__ pool, const int64_t* __restrict__ pages,
                    int num_layers, int64_t num_pages, int64_t page_bytes,
-                   uint8_t* __restrict__ buffer) {
+                   uint8_t* __restrict__ buffer,
+                   const int64_t* __restrict__ buffer_pages) {  // [listed] or null
   WaitForPrerequisiteGrid();
   AllowDependentGridLaunch();
   const int64_t unit = blockIdx.x;  // listed * num_layers + layer
@@ -22,7 +23,9 @@ __global__ void __launch_bounds__(kCopyThreads)
   const int64_t page = __ldg(pages + listed);
   if (page < 0 || page >= num_pages) return;
   Word* pool_page = reinterpret_cast<Word*>(pool + (layer * num_pages + page) * page_bytes);
-  Word* buffer_page = reinterpret_cast<Word*>(buffer + unit * page_bytes);
+  const int64_t buffer_unit =
+      buffer_pages != nullptr ? __ldg(buffer_pages + listed) * num_layers + layer : unit;
+  Word* buffer_page = reinterpret_cast<Word*>(buffer + buffer_unit * page_bytes);
   const int64_t words = page_bytes / static_cast<int64_t>(sizeof(Word));
   for (int64_t i = threadIdx.x; i < words; i += kCopyThreads) {
     if constexpr (kGather) {
@@ -53,7 +56,8 @@ absl::Status LaunchPageCopy(const PageCopyParams& p, cudaStream_t stream) {
   return LaunchKernel(aligned ? PageCopyKernel<kGather, uint4> : PageCopyKernel<kGather, uint8_t>,
                       units, kCopyThreads, stream,
                       kGather ? "PageCopyKernel<gather>" : "PageCopyKernel<scatter>", p.pool,
-                      p.pages, g.num_layers, g.num_pages, g.page_bytes, p.buffer);
+                      p.pages, g.num_layers, g.num_pages, g.page_bytes, p.buffer,
+                      p.buffer_pages);
 }
 
 // One block per (listed page, layer): zeroes page_bytes / sizeof(Word) words.

@@ -10,15 +10,21 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     QuantizeStoreKernel(const uint16_t* __restrict__ rows,  // [n, 512] bf16
                         const int64_t* __restrict__ locs,   // [n]
                         int64_t num_tokens, int64_t pool_tokens,
-                        uint8_t* __restrict__ pool, bool early_launch) {
+                        uint8_t* __restrict__ pool, bool early_launch,
+                        const int64_t* __restrict__ row_offsets,  // [n] or null
+                        uint32_t* __restrict__ nonfinite) {       // flag or null
   int t;
   const int64_t token = ThreadToken<kChunks>(t, early_launch);
   if (token >= num_tokens) return;
-  const uint16_t* row = rows + token * kHeadDim;
+  const uint16_t* row =
+      rows + (row_offsets != nullptr ? __ldg(row_offsets + token) : token * kHeadDim);
   // The row loads do not depend on the location: issue them all before any is used.
   if constexpr (kChunks == 2) {
     RowShare<2> r;
     LoadBf16Row(row, t, r);
+    if (nonfinite != nullptr && (AnyNonFinite(r.bits[0]) || AnyNonFinite(r.bits[1]))) {
+      atomicOr(nonfinite, 1u);
+    }
     int64_t loc;
     if (!TokenLocation(locs, token, pool_tokens, loc)) return;
     int64_t data, scale;
@@ -36,6 +42,7 @@ __global__ void __launch_bounds__(kThreadsPerBlock)
     uint16_t bits[kChunk], pair_bits[kChunk];
     SplitBf16(own, bits, v);
     SplitBf16(pair, pair_bits, pair_v);
+    if (nonfinite != nullptr && AnyNonFinite(bits)) atomicOr(nonfinite, 1u);
     int64_t data, scale;
     Addressing<L, kLog2Page>::Locate(loc, data, scale);
     StoreChunk<L, 2>(v, bits, fmaxf(Amax(v), Amax(pair_v)), t, pool + data, pool + scale);
@@ -52,7 +59,8 @@ absl::Status LaunchQuantizeStore(const QuantizeStoreParams& p, const QuantizeSha
     return LaunchKernel(shape.chunks == 1 ? QuantizeStoreKernel<L, kLog2Page, 1>
                                           : QuantizeStoreKernel<L, kLog2Page, 2>,
                         blocks, shape.threads, stream, "QuantizeStoreKernel", p.rows, p.locs,
-                        p.num_tokens, p.geometry.num_tokens(), p.pool, shape.early_launch);
+                        p.num_tokens, p.geometry.num_tokens(), p.pool, shape.early_launch,
+                        p.row_offsets, p.nonfinite);
   });
 }
 

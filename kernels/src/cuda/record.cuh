@@ -82,6 +82,14 @@ __device__ __forceinline__ uint4 JoinBf16(const uint16_t (&bits)[kChunk]) {
                     bits[4] | (uint32_t{bits[5]} << 16), bits[6] | (uint32_t{bits[7]} << 16));
 }
 
+// True when any of the chunk's bf16 values is NaN or ±Inf (exponent bits all ones).
+__device__ __forceinline__ bool AnyNonFinite(const uint16_t (&bits)[kChunk]) {
+  uint32_t hit = 0;
+#pragma unroll
+  for (int j = 0; j < kChunk; ++j) hit |= (bits[j] & 0x7F80u) == 0x7F80u ? 1u : 0u;
+  return hit != 0;
+}
+
 template <int kChunks>
 __device__ __forceinline__ void LoadBf16Row(const uint16_t* __restrict__ row, int t,
                                             RowShare<kChunks>& r) {

@@ -18,6 +18,12 @@ struct QuantizeStoreParams {
   const int64_t* locs = nullptr;   // [num_tokens] token locations, unique
   int64_t num_tokens = 0;
   uint8_t* pool = nullptr;         // geometry.pool_bytes(), 16-byte aligned
+  // Optional (CUDA only): row i starts at rows + row_offsets[i] (elements, multiples of 8)
+  // instead of rows + i * 512 — rows read in place from another tensor's blocks.
+  const int64_t* row_offsets = nullptr;
+  // Optional (CUDA only): set to nonzero when any row holds NaN or Inf. The records are
+  // stored regardless; the caller undoes the store when the flag is set.
+  uint32_t* nonfinite = nullptr;
 };
 
 struct DequantizeGatherParams {
@@ -27,6 +33,10 @@ struct DequantizeGatherParams {
   int64_t num_tokens = 0;
   uint16_t* out = nullptr;         // row i at out[i * out_row_stride .. +512), bf16
   int64_t out_row_stride = kHeadDim;  // elements, >= 512; any value (aligned ones are faster)
+  // Optional (CUDA only): row i at out + out_offsets[i] (elements) instead; every offset a
+  // multiple of out_offset_align elements (8 or more takes the 16-byte store path).
+  const int64_t* out_offsets = nullptr;
+  int64_t out_offset_align = 1;
 };
 
 struct TranscodeParams {
@@ -36,6 +46,9 @@ struct TranscodeParams {
   uint8_t* dst = nullptr;          // to.pool_bytes(); must not overlap src
   const int64_t* locs = nullptr;   // [num_tokens], unique, in range of both pools
   int64_t num_tokens = 0;
+  // Optional (CUDA only): record i goes to dst_locs[i] of `to` instead of locs[i]; then
+  // locs index `from` only, and dst_locs must be unique.
+  const int64_t* dst_locs = nullptr;
 };
 
 struct PageCopyParams {
@@ -44,6 +57,9 @@ struct PageCopyParams {
   const int64_t* pages = nullptr;  // [num_listed] page ids (unique for scatter)
   int64_t num_listed = 0;
   uint8_t* buffer = nullptr;       // [num_listed][num_layers][page_bytes]; unused by zeroing
+  // Optional (CUDA only): listed page i sits at buffer unit buffer_pages[i] instead of i
+  // (unique for gather) — pages straight into or out of another tensor's blocks.
+  const int64_t* buffer_pages = nullptr;
 };
 
 }  // namespace kvferry
