@@ -29,7 +29,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   // An AllocatePages reply holds at most ~26 bytes per handle; keep it well inside a message.
   options.service.max_pages_per_call =
       std::min<int64_t>(options.service.max_pages_per_call, (options.max_message_bytes - 4096) / 32);
-  d->service_ = std::make_unique<KvFerryService>(d->pools_.get(), options.service);
+  d->sessions_ = std::make_unique<SessionManager>(d->pools_.get(), d->daemon_metrics_.get());
+  SessionManager* sessions = d->sessions_.get();
+  d->pools_->SetDeleteListener([sessions](const Pool& pool) { sessions->PoolDeleted(pool); });
+  d->daemon_metrics_->SetSessionSource([sessions] { return sessions->Counts(); });
+  d->service_ = std::make_unique<KvFerryService>(d->pools_.get(), sessions, options.service);
+  d->session_service_ = std::make_unique<SessionService>(sessions);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -39,11 +44,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &d->grpc_port_);
   builder.RegisterService(d->service_.get());
+  builder.RegisterService(d->session_service_.get());
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
   interceptors.push_back(std::make_unique<MetricsInterceptorFactory>(
-      d->daemon_metrics_.get(), MetricsInterceptorFactory::KnownMethods({"kvferry.v1.KvFerry"})));
+      d->daemon_metrics_.get(), MetricsInterceptorFactory::KnownMethods({"kvferry.v1.KvFerry", "kvferry.v1.KvSession"})));
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
   d->server_ = builder.BuildAndStart();
   if (!d->server_ || d->grpc_port_ == 0) {

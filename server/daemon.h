@@ -9,7 +9,9 @@
 #include "absl/status/statusor.h"
 #include "core/pool_manager.h"
 #include "metrics/metrics.h"
+#include "core/session.h"
 #include "service/pool_service.h"
+#include "service/session_service.h"
 
 namespace kvferry::server {
 
@@ -40,7 +42,9 @@ class Daemon {
   std::string default_device_;
   std::unique_ptr<DaemonMetrics> daemon_metrics_;
   std::unique_ptr<PoolManager> pools_;
+  std::unique_ptr<SessionManager> sessions_;
   std::unique_ptr<KvFerryService> service_;
+  std::unique_ptr<SessionService> session_service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<MetricsServer> metrics_;
   int grpc_port_ = 0;

@@ -50,6 +50,16 @@ const char* OpName(const Op& op) {
   return std::visit(Namer{}, op);
 }
 
+absl::StatusOr<std::shared_ptr<ImportedMemory>> Backend::ImportIpc(const std::string&) {
+  return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kUnknownDevice,
+               absl::StrCat("CUDA IPC needs a cuda device; this is ", device()));
+}
+
+absl::StatusOr<ExportedMemory> Backend::ExportIpc(const void*) {
+  return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kUnknownDevice,
+               absl::StrCat("CUDA IPC needs a cuda device; this is ", device()));
+}
+
 absl::Status Backend::Run(std::span<const Op> ops) {
   KVF_ASSIGN_OR_RETURN(Completion done, Submit(ops));
   return done.Wait();

@@ -129,6 +129,22 @@ class Completion {
   absl::Status status_;
 };
 
+// Memory of another process on this backend's device (opened from a CUDA IPC handle),
+// mapped while the object lives.
+class ImportedMemory {
+ public:
+  virtual ~ImportedMemory() = default;
+  // The start of the exporter's allocation, and its size in bytes.
+  virtual uint8_t* base() const = 0;
+  virtual uint64_t bytes() const = 0;
+};
+
+// A block of this backend's memory as another process opens it.
+struct ExportedMemory {
+  std::string ipc_handle;  // cudaIpcMemHandle_t bytes of the allocation
+  uint64_t offset = 0;     // from the allocation's base to the exported pointer
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -142,6 +158,13 @@ class Backend {
   // RESOURCE_EXHAUSTED (reason DEVICE_OUT_OF_MEMORY) when it does not fit.
   virtual absl::StatusOr<Buffer> Allocate(size_t bytes, MemoryKind kind, bool zero) = 0;
   absl::StatusOr<Buffer> Allocate(size_t bytes) { return Allocate(bytes, MemoryKind::kDevice, true); }
+
+  // Opens another process's allocation on this device. FAILED_PRECONDITION where the
+  // backend cannot (cpu); INVALID_ARGUMENT (INVALID_REQUEST) for a handle the driver refuses.
+  // Handles of one allocation share one mapping.
+  virtual absl::StatusOr<std::shared_ptr<ImportedMemory>> ImportIpc(const std::string& handle);
+  // The handle another process opens `ptr`'s allocation with.
+  virtual absl::StatusOr<ExportedMemory> ExportIpc(const void* ptr);
 
   // Enqueues `ops`, in order; see the file comment for the contract.
   virtual absl::StatusOr<Completion> Submit(std::span<const Op> ops) = 0;

@@ -2,7 +2,10 @@
 // streams (one per Submit in flight, so concurrent requests overlap on the device).
 #include "backend/cuda_backend.h"
 
+#include <cuda.h>
 #include <cuda_runtime_api.h>
+
+#include <cstring>
 
 #include <vector>
 
@@ -74,6 +77,58 @@ class BlockCache {
 
 class CudaBackend;
 
+// cuMemGetAddressRange from the driver, found at run time so that kvferryd links no driver
+// library (it starts on machines without one and uses the cpu backend there).
+using AddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+AddressRangeFn AddressRange() {
+  static const AddressRangeFn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return static_cast<AddressRangeFn>(nullptr);
+    }
+    return reinterpret_cast<AddressRangeFn>(f);
+  }();
+  return fn;
+}
+
+absl::Status AllocationOf(const void* ptr, uint8_t** base, uint64_t* bytes) {
+  const AddressRangeFn range = AddressRange();
+  if (range == nullptr) {
+    return Error(absl::StatusCode::kInternal, ErrorReason::kDeviceError,
+                 "the CUDA driver lacks cuMemGetAddressRange");
+  }
+  CUdeviceptr b = 0;
+  size_t n = 0;
+  if (range(&b, &n, reinterpret_cast<CUdeviceptr>(ptr)) != CUDA_SUCCESS) {
+    return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                 "the pointer is not in a device allocation");
+  }
+  *base = reinterpret_cast<uint8_t*>(b);
+  *bytes = n;
+  return absl::OkStatus();
+}
+
+// An opened IPC handle; closing it unmaps the allocation from this process.
+class IpcMapping final : public ImportedMemory {
+ public:
+  IpcMapping(int device, uint8_t* base, uint64_t bytes) : device_(device), base_(base), bytes_(bytes) {}
+  ~IpcMapping() override {
+    cudaSetDevice(device_);
+    cudaIpcCloseMemHandle(base_);
+  }
+  uint8_t* base() const override { return base_; }
+  uint64_t bytes() const override { return bytes_; }
+
+ private:
+  const int device_;
+  uint8_t* const base_;
+  const uint64_t bytes_;
+};
+
 struct Launcher {
   cudaStream_t stream;
   absl::Status operator()(const CopyOp& op) const {
@@ -102,7 +157,7 @@ struct Launcher {
   absl::Status operator()(const CompressOp& op) const { return cuda::Compress(op.params, stream); }
 };
 
-class CudaBackend final : public Backend, public std::enable_shared_from_this<CudaBackend> {
+class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(int index) : index_(index), device_(absl::StrCat("cuda:", index)) {}
   ~CudaBackend() override {
@@ -148,6 +203,51 @@ class CudaBackend final : public Backend, public std::enable_shared_from_this<Cu
     Buffer buffer(this, kind, ptr, bytes);
     if (zero) KVF_RETURN_IF_ERROR(Run(FillZeroOp{ptr, bytes}));
     return buffer;
+  }
+
+  absl::StatusOr<std::shared_ptr<ImportedMemory>> ImportIpc(const std::string& handle) override {
+    if (handle.size() != sizeof(cudaIpcMemHandle_t)) {
+      return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                   absl::StrCat("an IPC handle has ", sizeof(cudaIpcMemHandle_t), " bytes, not ",
+                                handle.size()));
+    }
+    KVF_RETURN_IF_ERROR(UseDevice());
+    absl::MutexLock lock(&imports_mu_);
+    if (auto it = imports_.find(handle); it != imports_.end()) {
+      if (std::shared_ptr<ImportedMemory> live = it->second.lock()) return live;
+    }
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, handle.data(), sizeof(h));
+    void* ptr = nullptr;
+    if (const cudaError_t e = cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess);
+        e != cudaSuccess) {
+      cudaGetLastError();
+      return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                   absl::StrCat(device_, ": cannot open the IPC handle: ", cudaGetErrorString(e)));
+    }
+    uint8_t* base = nullptr;
+    uint64_t bytes = 0;
+    if (absl::Status s = AllocationOf(ptr, &base, &bytes); !s.ok()) {
+      cudaIpcCloseMemHandle(ptr);
+      return s;
+    }
+    auto mapping = std::make_shared<IpcMapping>(index_, static_cast<uint8_t*>(ptr),
+                                                bytes - (static_cast<uint8_t*>(ptr) - base));
+    imports_[handle] = mapping;
+    return std::shared_ptr<ImportedMemory>(mapping);
+  }
+
+  absl::StatusOr<ExportedMemory> ExportIpc(const void* ptr) override {
+    KVF_RETURN_IF_ERROR(UseDevice());
+    uint8_t* base = nullptr;
+    uint64_t bytes = 0;
+    KVF_RETURN_IF_ERROR(AllocationOf(ptr, &base, &bytes));
+    cudaIpcMemHandle_t h;
+    KVF_RETURN_IF_ERROR(DeviceStatus(cudaIpcGetMemHandle(&h, base), "cudaIpcGetMemHandle"));
+    ExportedMemory out;
+    out.ipc_handle.assign(reinterpret_cast<const char*>(&h), sizeof(h));
+    out.offset = static_cast<uint64_t>(static_cast<const uint8_t*>(ptr) - base);
+    return out;
   }
 
   absl::StatusOr<Completion> Submit(std::span<const Op> ops) override {
@@ -231,6 +331,9 @@ class CudaBackend final : public Backend, public std::enable_shared_from_this<Cu
   absl::Mutex streams_mu_;
   std::vector<cudaStream_t> streams_ ABSL_GUARDED_BY(streams_mu_);  // every stream made
   std::vector<cudaStream_t> idle_ ABSL_GUARDED_BY(streams_mu_);
+  absl::Mutex imports_mu_;
+  // Open mappings by handle bytes: one allocation is opened once however often registered.
+  absl::flat_hash_map<std::string, std::weak_ptr<ImportedMemory>> imports_ ABSL_GUARDED_BY(imports_mu_);
 };
 
 }  // namespace

@@ -46,8 +46,15 @@ enum class ErrorReason {
   kDeadlineExceeded,
   kInternalError,
   kShuttingDown,
+  kSessionNotFound,
+  kTensorNotFound,
+  kBlockOutOfRange,
+  kTensorOutOfBounds,
+  kKindMismatch,
+  kDeviceMismatch,
+  kExportNotFound,
 };
-inline constexpr int kNumErrorReasons = static_cast<int>(ErrorReason::kShuttingDown) + 1;
+inline constexpr int kNumErrorReasons = static_cast<int>(ErrorReason::kExportNotFound) + 1;
 
 // The proto name of a reason ("STALE_PAGE_HANDLE").
 const char* ReasonName(ErrorReason reason);

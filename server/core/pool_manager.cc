@@ -83,6 +83,7 @@ absl::Status PoolManager::Delete(const std::string& name) {
     pools_.erase(it);
   }
   dropped->MarkDeleted();
+  if (on_delete_) on_delete_(*dropped);
   return absl::OkStatus();
 }
 

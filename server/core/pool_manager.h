@@ -43,11 +43,15 @@ class PoolManager {
   DaemonStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
   // Drops every pool (shutdown).
   void Clear() ABSL_LOCKS_EXCLUDED(mu_);
+  // Called with each pool Delete removes (e.g. to revoke its exports). Set before serving.
+  void SetDeleteListener(std::function<void(const Pool&)> listener) { on_delete_ = std::move(listener); }
 
- private:
+  // The backend of a device ("cpu", "cuda:N"), made on first use.
   absl::StatusOr<std::shared_ptr<Backend>> BackendFor(const std::string& device)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+ private:
+  std::function<void(const Pool&)> on_delete_;
   const PoolManagerOptions options_;
   mutable absl::Mutex mu_;
   // A name maps to null while its pool is being created.

@@ -99,6 +99,13 @@ std::vector<double> LatencyBounds() {
 
 DaemonMetrics::DaemonMetrics(std::function<std::vector<PoolStats>()> pools)
     : pools_(std::move(pools)),
+      transfers_("kvferry_session_transfers_total",
+                 "Save and Load operations of CUDA IPC sessions by op and result.", {"op", "result"}),
+      transfer_bytes_("kvferry_session_transfer_bytes_total",
+                      "Bytes moved by Save and Load (rows or pages read plus records written).", {"op"}),
+      transfer_seconds_("kvferry_session_transfer_seconds",
+                        "Save and Load latency from request to completion, in seconds.", {"op"},
+                        LatencyBounds()),
       rpcs_("kvferry_rpc_requests_total", "Finished RPCs by method and status code.",
             {"method", "code"}),
       rpc_latency_("kvferry_rpc_latency_seconds", "RPC latency by method and status code, in seconds.",
@@ -121,6 +128,12 @@ void DaemonMetrics::RecordRpc(const std::string& method, const std::string& code
     for (char& c : label) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
     errors_.Add({method, label}, 1);
   }
+}
+
+void DaemonMetrics::RecordTransfer(const char* op, bool ok, uint64_t bytes, double seconds) {
+  transfers_.Add({op, ok ? "ok" : "error"}, 1);
+  if (bytes > 0) transfer_bytes_.Add({op}, static_cast<double>(bytes));
+  if (ok) transfer_seconds_.Observe({op}, seconds);
 }
 
 void DaemonMetrics::RecordBytes(const std::string& method, uint64_t received, uint64_t sent) {
@@ -170,6 +183,21 @@ std::string DaemonMetrics::Render() const {
     absl::StrAppend(&out, "kvferry_pool_bytes_saved{", labels(p), ",baseline=\"v4\"} ",
                     Number(p.bytes_saved_vs_v4), "\n");
   }
+  if (sessions_) {
+    const SessionCounts c = sessions_();
+    auto gauge = [&](const char* name, const char* help, int64_t value) {
+      Header(out, name, help, "gauge");
+      absl::StrAppend(&out, name, " ", value, "\n");
+    };
+    gauge("kvferry_sessions", "Open CUDA IPC sessions.", c.sessions);
+    gauge("kvferry_session_tensors", "Worker tensors registered by open sessions.", c.tensors);
+    gauge("kvferry_session_registered_bytes", "Bytes of worker tensors registered by open sessions.",
+          c.registered_bytes);
+    gauge("kvferry_session_pool_exports", "Pools exported to open sessions.", c.exports);
+  }
+  transfers_.Render(out);
+  transfer_bytes_.Render(out);
+  transfer_seconds_.Render(out);
   rpcs_.Render(out);
   rpc_latency_.Render(out);
   errors_.Render(out);

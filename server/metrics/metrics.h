@@ -15,6 +15,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "core/session.h"
 #include "core/types.h"
 
 namespace httplib {
@@ -62,9 +63,12 @@ class HistogramFamily {
 };
 
 // Everything kvferryd exports. Pool gauges are read from `pools` at scrape time.
-class DaemonMetrics : public OpObserver {
+class DaemonMetrics : public OpObserver, public TransferObserver {
  public:
   explicit DaemonMetrics(std::function<std::vector<PoolStats>()> pools);
+  // Session gauges are read from `sessions` at scrape time (unset: not exported).
+  void SetSessionSource(std::function<SessionCounts()> sessions) { sessions_ = std::move(sessions); }
+  void RecordTransfer(const char* op, bool ok, uint64_t bytes, double seconds) override;
 
   // One finished RPC: method name, status code name (e.g. "OK", "INVALID_ARGUMENT") and, for
   // errors, the reason name ("STALE_PAGE_HANDLE"; empty when the error has none).
@@ -78,6 +82,10 @@ class DaemonMetrics : public OpObserver {
 
  private:
   std::function<std::vector<PoolStats>()> pools_;
+  std::function<SessionCounts()> sessions_;
+  CounterFamily transfers_;
+  CounterFamily transfer_bytes_;
+  HistogramFamily transfer_seconds_;
   CounterFamily rpcs_;
   HistogramFamily rpc_latency_;
   CounterFamily errors_;

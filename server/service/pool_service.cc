@@ -158,7 +158,16 @@ grpc::Status KvFerryService::AllocatePages(ServerContext* context,
                                 ", the most pages one reply carries; allocate in several calls"));
     }
     KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Get(req->pool()));
+    if (req->session_id() != 0 && sessions_ == nullptr) {
+      return Error(absl::StatusCode::kNotFound, ErrorReason::kSessionNotFound, "no sessions here");
+    }
     KVF_ASSIGN_OR_RETURN(const std::vector<PageHandle> pages, pool->AllocatePages(req->count()));
+    if (req->session_id() != 0) {
+      if (absl::Status s = sessions_->AdoptPages(req->session_id(), pool, pages); !s.ok()) {
+        pool->FreePages(pages).IgnoreError();
+        return s;
+      }
+    }
     if (context->IsCancelled()) {
       // Nobody will receive these handles: give the pages back.
       pool->FreePages(pages).IgnoreError();

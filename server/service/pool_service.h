@@ -7,6 +7,7 @@
 #include <memory>
 
 #include "core/pool_manager.h"
+#include "core/session.h"
 #include "core/staged_write.h"
 #include "kvferry/v1/kvferry.grpc.pb.h"
 
@@ -21,8 +22,9 @@ struct ServiceOptions {
 
 class KvFerryService final : public kvferry::v1::KvFerry::Service {
  public:
-  KvFerryService(PoolManager* pools, ServiceOptions options)
-      : pools_(pools), options_(options) {}
+  // `sessions` may be null (no session-owned pages then).
+  KvFerryService(PoolManager* pools, SessionManager* sessions, ServiceOptions options)
+      : pools_(pools), sessions_(sessions), options_(options) {}
 
   grpc::Status CreatePool(grpc::ServerContext*, const v1::CreatePoolRequest*, v1::Pool*) override;
   grpc::Status DescribePool(grpc::ServerContext*, const v1::DescribePoolRequest*,
@@ -49,6 +51,7 @@ class KvFerryService final : public kvferry::v1::KvFerry::Service {
   int64_t ChunkBytes(uint32_t requested) const;
 
   PoolManager* const pools_;
+  SessionManager* const sessions_;
   const ServiceOptions options_;
 };
 

@@ -44,7 +44,7 @@ class ServiceTest : public ::testing::Test {
     pools_ = std::make_unique<PoolManager>(options);
     ServiceOptions service_options;
     service_options.max_chunk_bytes = 4096;
-    service_ = std::make_unique<KvFerryService>(pools_.get(), service_options);
+    service_ = std::make_unique<KvFerryService>(pools_.get(), nullptr, service_options);
     grpc::ServerBuilder builder;
     builder.RegisterService(service_.get());
     server_ = builder.BuildAndStart();

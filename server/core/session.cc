@@ -1,0 +1,642 @@
+// SessionManager: tensors of other processes, Save/Load in place, completion words.
+#include "core/session.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "common/errors.h"
+#include "kvferry/kernels/status_macros.h"
+
+namespace kvferry::server {
+
+namespace {
+
+int64_t AlignUp(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+
+absl::Status Invalid(ErrorReason reason, std::string message) {
+  return Error(absl::StatusCode::kInvalidArgument, reason, message);
+}
+
+}  // namespace
+
+struct SessionManager::Tensor {
+  KvTensorSpec spec;
+  std::shared_ptr<ImportedMemory> memory;
+  uint8_t* data() const { return memory->base() + spec.offset; }
+  uint64_t bytes() const {
+    return spec.kind == RowKind::kRecords
+               ? spec.num_blocks * spec.block_stride
+               : (spec.num_blocks - 1) * spec.block_stride +
+                     (spec.block_tokens - 1) * spec.token_stride + kBf16RowBytes;
+  }
+};
+
+struct SessionManager::Session {
+  uint64_t id = 0;
+  std::string worker;
+  std::string device;  // "cuda:N"
+  std::shared_ptr<Backend> backend;
+  std::string shm_name;
+  uint64_t* words = nullptr;
+  uint32_t slots = 0;
+
+  absl::Mutex mu;
+  bool closed ABSL_GUARDED_BY(mu) = false;
+  absl::flat_hash_map<uint64_t, std::shared_ptr<Tensor>> tensors ABSL_GUARDED_BY(mu);
+  struct Export {
+    std::shared_ptr<Pool> pool;
+  };
+  absl::flat_hash_map<uint64_t, Export> exports ABSL_GUARDED_BY(mu);
+  std::vector<std::pair<std::weak_ptr<Pool>, std::vector<PageHandle>>> pages ABSL_GUARDED_BY(mu);
+  std::deque<std::string> revocations ABSL_GUARDED_BY(mu);
+
+  ~Session() {
+    if (words != nullptr) munmap(words, slots * sizeof(uint64_t));
+    if (!shm_name.empty()) shm_unlink(shm_name.c_str());
+  }
+  // Readers poll with acquire loads: everything the operation did is visible once they
+  // see the word.
+  void SetWord(const AsyncSlot& s, uint64_t state) {
+    std::atomic_ref<uint64_t>(words[s.slot]).store((s.sequence << 8) | state,
+                                                   std::memory_order_release);
+  }
+};
+
+SessionManager::SessionManager(PoolManager* pools, TransferObserver* observer)
+    : pools_(pools), observer_(observer) {
+  completer_ = std::thread([this] { CompletionLoop(); });
+}
+
+SessionManager::~SessionManager() {
+  {
+    absl::MutexLock lock(&jobs_mu_);
+    stopping_ = true;
+  }
+  completer_.join();
+}
+
+void SessionManager::CompletionLoop() {
+  while (true) {
+    std::function<void()> job;
+    {
+      absl::MutexLock lock(&jobs_mu_);
+      jobs_mu_.Await(absl::Condition(
+          +[](SessionManager* m) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+            return !m->jobs_.empty() || m->stopping_;
+          },
+          this));
+      if (jobs_.empty()) return;  // stopping, and nothing left
+      job = std::move(jobs_.front());
+      jobs_.pop_front();
+    }
+    job();
+  }
+}
+
+void SessionManager::Complete(std::shared_ptr<Session> session, AsyncSlot slot,
+                              std::function<absl::Status()> finish) {
+  absl::MutexLock lock(&jobs_mu_);
+  jobs_.push_back([session = std::move(session), slot, finish = std::move(finish)] {
+    session->SetWord(slot, finish().ok() ? kWordDone : kWordFailed);
+  });
+}
+
+absl::StatusOr<SessionManager::Opened> SessionManager::Open(const std::string& worker,
+                                                            uint32_t device, uint32_t slots) {
+  if (slots == 0) slots = 1024;
+  if (slots > 65536) {
+    return Invalid(ErrorReason::kInvalidRequest,
+                   absl::StrCat("completion_slots ", slots, " is above 65536"));
+  }
+  auto session = std::make_shared<Session>();
+  session->worker = worker.substr(0, 64);
+  session->device = absl::StrCat("cuda:", device);
+  KVF_ASSIGN_OR_RETURN(session->backend, pools_->BackendFor(session->device));
+  {
+    absl::MutexLock lock(&mu_);
+    session->id = next_session_++;
+  }
+  session->slots = slots;
+  session->shm_name = absl::StrCat("/kvferry-", getpid(), "-", session->id);
+  // Readable by the worker (possibly another user in another container), written only here.
+  const int fd = shm_open(session->shm_name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0644);
+  if (fd < 0) {
+    session->shm_name.clear();
+    return Error(absl::StatusCode::kInternal, ErrorReason::kInternalError,
+                 absl::StrCat("shm_open for the completion area: ", std::strerror(errno)));
+  }
+  const size_t bytes = slots * sizeof(uint64_t);
+  void* map = MAP_FAILED;
+  if (ftruncate(fd, static_cast<off_t>(bytes)) == 0) {
+    map = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  }
+  close(fd);
+  if (map == MAP_FAILED) {
+    return Error(absl::StatusCode::kInternal, ErrorReason::kInternalError,
+                 absl::StrCat("mapping the completion area: ", std::strerror(errno)));
+  }
+  session->words = static_cast<uint64_t*>(map);
+  absl::MutexLock lock(&mu_);
+  sessions_[session->id] = session;
+  return Opened{session->id, session->shm_name, slots};
+}
+
+void SessionManager::Close(uint64_t session_id) {
+  std::shared_ptr<Session> session;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sessions_.find(session_id);
+    if (it == sessions_.end()) return;
+    session = std::move(it->second);
+    sessions_.erase(it);
+  }
+  std::vector<std::pair<std::weak_ptr<Pool>, std::vector<PageHandle>>> pages;
+  {
+    absl::MutexLock lock(&session->mu);
+    session->closed = true;
+    session->tensors.clear();   // mappings close once running work lets go of them
+    session->exports.clear();   // a deleted pool's memory goes with its last export
+    pages.swap(session->pages);
+  }
+  for (auto& [weak, handles] : pages) {
+    std::shared_ptr<Pool> pool = weak.lock();
+    if (pool == nullptr) continue;
+    std::vector<PageHandle> live;
+    for (const PageHandle& h : handles) {
+      if (pool->table().CheckHandle(h).ok()) live.push_back(h);
+    }
+    pool->FreePages(live).IgnoreError();
+  }
+}
+
+std::optional<std::string> SessionManager::NextRevocation(uint64_t session_id) {
+  absl::StatusOr<std::shared_ptr<Session>> found = Find(session_id);
+  if (!found.ok()) return std::nullopt;
+  Session& s = **found;
+  absl::MutexLock lock(&s.mu);
+  s.mu.Await(absl::Condition(
+      +[](Session* x) ABSL_NO_THREAD_SAFETY_ANALYSIS { return x->closed || !x->revocations.empty(); },
+      &s));
+  if (s.revocations.empty()) return std::nullopt;
+  std::string r = std::move(s.revocations.front());
+  s.revocations.pop_front();
+  return r;
+}
+
+absl::StatusOr<std::shared_ptr<SessionManager::Session>> SessionManager::Find(uint64_t id) const {
+  absl::ReaderMutexLock lock(&mu_);
+  auto it = sessions_.find(id);
+  if (it == sessions_.end()) {
+    return Error(absl::StatusCode::kNotFound, ErrorReason::kSessionNotFound,
+                 absl::StrCat("no open session ", id));
+  }
+  return it->second;
+}
+
+absl::StatusOr<std::vector<uint64_t>> SessionManager::Register(
+    uint64_t session_id, std::span<const KvTensorSpec> specs) {
+  KVF_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(session_id));
+  std::vector<std::shared_ptr<Tensor>> made;
+  for (const KvTensorSpec& spec : specs) {
+    const std::string name = spec.name.substr(0, 64);
+    if (spec.num_blocks == 0 || spec.block_tokens == 0 || spec.block_tokens > kMaxPageSize) {
+      return Invalid(ErrorReason::kInvalidGeometry,
+                     absl::StrCat("tensor '", name, "': num_blocks and block_tokens (<= 4096) must be positive"));
+    }
+    if (spec.offset % 16 != 0 || spec.block_stride % 16 != 0) {
+      return Invalid(ErrorReason::kInvalidGeometry,
+                     absl::StrCat("tensor '", name, "': offset and block_stride must be multiples of 16 bytes"));
+    }
+    if (spec.kind == RowKind::kBf16) {
+      if (spec.token_stride < kBf16RowBytes || spec.token_stride % 16 != 0) {
+        return Invalid(ErrorReason::kInvalidGeometry,
+                       absl::StrCat("tensor '", name, "': token_stride ", spec.token_stride,
+                                    " must be >= 1024 and a multiple of 16"));
+      }
+    } else {
+      if (!IsValidPageSize(spec.block_tokens) ||
+          spec.block_stride != static_cast<uint64_t>(PageBytes(spec.layout, spec.block_tokens))) {
+        return Invalid(ErrorReason::kInvalidGeometry,
+                       absl::StrCat("tensor '", name, "': records blocks are pages: block_tokens a power of two, block_stride ",
+                                    IsValidPageSize(spec.block_tokens) ? PageBytes(spec.layout, spec.block_tokens) : 0,
+                                    " bytes"));
+      }
+    }
+    if (spec.num_blocks > (uint64_t{1} << 40) || spec.block_stride > (uint64_t{1} << 40) ||
+        spec.token_stride > (uint64_t{1} << 30)) {
+      return Invalid(ErrorReason::kTensorOutOfBounds, absl::StrCat("tensor '", name, "' is too large"));
+    }
+    auto tensor = std::make_shared<Tensor>();
+    tensor->spec = spec;
+    KVF_ASSIGN_OR_RETURN(tensor->memory, session->backend->ImportIpc(spec.ipc_handle));
+    // A geometry past the allocation would let a kernel fault and take the device down for
+    // every client: refused here.
+    if (spec.offset + tensor->bytes() > tensor->memory->bytes()) {
+      return Invalid(ErrorReason::kTensorOutOfBounds,
+                     absl::StrCat("tensor '", name, "' ends at byte ", spec.offset + tensor->bytes(),
+                                  " of an allocation of ", tensor->memory->bytes()));
+    }
+    made.push_back(std::move(tensor));
+  }
+  std::vector<uint64_t> ids;
+  absl::MutexLock lock(&session->mu);
+  for (auto& t : made) {
+    uint64_t id;
+    {
+      absl::MutexLock l(&mu_);
+      id = next_tensor_++;
+    }
+    session->tensors[id] = std::move(t);
+    ids.push_back(id);
+  }
+  return ids;
+}
+
+absl::StatusOr<int64_t> SessionManager::Save(const TransferRequest& request) {
+  return Transfer(request, /*save=*/true);
+}
+absl::StatusOr<int64_t> SessionManager::Load(const TransferRequest& request) {
+  return Transfer(request, /*save=*/false);
+}
+
+absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool save) {
+  const auto start = std::chrono::steady_clock::now();
+  KVF_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(r.session_id));
+  std::shared_ptr<Tensor> tensor;
+  {
+    absl::MutexLock lock(&session->mu);
+    auto it = session->tensors.find(r.tensor_id);
+    if (it == session->tensors.end()) {
+      return Error(absl::StatusCode::kNotFound, ErrorReason::kTensorNotFound,
+                   absl::StrCat("session ", r.session_id, " has no tensor ", r.tensor_id));
+    }
+    tensor = it->second;
+  }
+  if (r.async.has_value() &&
+      (r.async->slot >= session->slots || r.async->sequence >= (uint64_t{1} << 56))) {
+    return Invalid(ErrorReason::kInvalidRequest,
+                   absl::StrCat("completion slot ", r.async->slot, " is outside [0, ",
+                                session->slots, ") or its sequence above 2^56"));
+  }
+  KVF_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, pools_->Get(r.pool));
+  if (pool->device() != session->device) {
+    return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kDeviceMismatch,
+                 absl::StrCat("pool '", r.pool, "' lives on ", pool->device(), ", the session's tensors on ",
+                              session->device));
+  }
+  KVF_RETURN_IF_ERROR(pool->CheckLayer(r.layer));
+  const KvTensorSpec& spec = tensor->spec;
+  const bool records = spec.kind == RowKind::kRecords;
+  if (records ? (!r.blocks.empty() || !r.locations.empty()) : (!r.tensor_blocks.empty() || !r.pages.empty())) {
+    return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kKindMismatch,
+                 records ? "a records tensor moves whole blocks: use the page form"
+                         : "a bf16 tensor moves tokens: use the token form");
+  }
+  const PoolGeometry g = pool->geometry();
+  const int page_size = g.page_size;
+  Backend& backend = *session->backend;
+  uint8_t* layer_base = pool->base() + r.layer * g.pool_bytes();
+
+  // Host staging for the index arrays and the flag, pinned; device scratch beside it.
+  struct Scratch {
+    Buffer host, device;
+  };
+  auto scratch = std::make_shared<Scratch>();
+  auto make_scratch = [&](int64_t bytes) -> absl::Status {
+    KVF_ASSIGN_OR_RETURN(scratch->host, backend.Allocate(bytes, MemoryKind::kHostStaging, false));
+    KVF_ASSIGN_OR_RETURN(scratch->device, backend.Allocate(bytes, MemoryKind::kDevice, false));
+    return absl::OkStatus();
+  };
+  std::vector<Op> ops;
+  // Copies a host array into the scratch at `at`, returning its device pointer.
+  auto stage = [&](int64_t at, const void* data, size_t bytes) {
+    std::memcpy(scratch->host.get() + at, data, bytes);
+    ops.push_back(CopyOp{scratch->device.get() + at, scratch->host.get() + at, bytes});
+    return reinterpret_cast<const int64_t*>(scratch->device.get() + at);
+  };
+
+  int64_t tokens = 0;
+  uint64_t bytes_moved = 0;
+  PageTable::Pin pin;
+  std::function<absl::Status(const absl::Status&)> finish;  // after the device work
+
+  if (!records) {
+    if (r.blocks.size() != r.locations.size() || r.blocks.empty()) {
+      return Invalid(ErrorReason::kInvalidRequest,
+                     absl::StrCat(r.blocks.size(), " tensor tokens and ", r.locations.size(),
+                                  " pool locations: give one of each per token, at least one"));
+    }
+    const int64_t n = static_cast<int64_t>(r.blocks.size());
+    std::vector<int64_t> offsets(n);  // elements from the allocation's base
+    absl::flat_hash_set<int64_t> seen_blocks;
+    for (int64_t i = 0; i < n; ++i) {
+      const BlockSlot& b = r.blocks[i];
+      if (b.block >= spec.num_blocks || b.slot >= spec.block_tokens) {
+        return Invalid(ErrorReason::kBlockOutOfRange,
+                       absl::StrCat("token ", i, ": block ", b.block, " slot ", b.slot, " is outside ",
+                                    spec.num_blocks, " blocks of ", spec.block_tokens));
+      }
+      offsets[i] = static_cast<int64_t>((spec.offset + b.block * spec.block_stride + b.slot * spec.token_stride) / 2);
+      if (!save && !seen_blocks.insert(offsets[i]).second) {
+        return Invalid(ErrorReason::kDuplicateLocation,
+                       absl::StrCat("token ", i, ": block ", b.block, " slot ", b.slot, " is loaded twice"));
+      }
+    }
+    KVF_ASSIGN_OR_RETURN(std::vector<int64_t> locs, pool->table().Resolve(r.locations));
+    std::vector<PageHandle> handles;
+    absl::flat_hash_map<uint64_t, uint64_t> generation;
+    absl::flat_hash_set<int64_t> seen;
+    for (int64_t i = 0; i < n; ++i) {
+      const PageHandle& h = r.locations[i].page;
+      auto [it, inserted] = generation.try_emplace(h.page_id, h.generation);
+      if (inserted) handles.push_back(h);
+      if (save && !seen.insert(locs[i]).second) {
+        return Invalid(ErrorReason::kDuplicateLocation,
+                       absl::StrCat("location ", i, " is written twice in one save"));
+      }
+    }
+    KVF_ASSIGN_OR_RETURN(pin, pool->table().PinPages(handles, /*exclusive=*/save));
+    tokens = n;
+    bytes_moved = n * (kBf16RowBytes + GetLayoutInfo(g.layout).bytes_per_token());
+    if (save) {
+      // Pages that already hold records of this layer are backed up, so that a row found
+      // NaN or Inf by the kernel can be undone; fresh pages are zeroed back instead.
+      std::vector<int64_t> backup, fresh;
+      for (int64_t p : pin.pages) {
+        const int64_t flat = r.layer * g.num_pages + p;
+        (pool->table().WrittenSlots(static_cast<int>(r.layer), {&p, 1}).empty() ? fresh : backup).push_back(flat);
+      }
+      const int64_t at_locs = AlignUp(n * 8, 256), at_flag = at_locs + AlignUp(n * 8, 256);
+      const int64_t at_backup_ids = at_flag + 256, at_fresh_ids = at_backup_ids + AlignUp(backup.size() * 8 + 8, 256);
+      const int64_t at_backup = at_fresh_ids + AlignUp(fresh.size() * 8 + 8, 256);
+      if (absl::Status s = make_scratch(at_backup + backup.size() * g.page_bytes()); !s.ok()) {
+        pool->Unpin(pin);
+        return s;
+      }
+      uint8_t* dev = scratch->device.get();
+      QuantizeStoreParams q;
+      q.geometry = g;
+      q.rows = reinterpret_cast<const uint16_t*>(tensor->memory->base());
+      q.row_offsets = stage(0, offsets.data(), n * 8);
+      q.locs = stage(at_locs, locs.data(), n * 8);
+      q.num_tokens = n;
+      q.pool = layer_base;
+      q.nonfinite = reinterpret_cast<uint32_t*>(dev + at_flag);
+      ops.push_back(FillZeroOp{dev + at_flag, 4});
+      PageCopyParams keep;
+      keep.geometry = pool->flat_pages();
+      keep.pool = pool->base();
+      keep.num_listed = static_cast<int64_t>(backup.size());
+      keep.buffer = dev + at_backup;
+      if (!backup.empty()) {
+        keep.pages = stage(at_backup_ids, backup.data(), backup.size() * 8);
+        ops.push_back(GatherPagesOp{keep});
+      }
+      PageCopyParams zero = keep;
+      zero.num_listed = static_cast<int64_t>(fresh.size());
+      if (!fresh.empty()) zero.pages = stage(at_fresh_ids, fresh.data(), fresh.size() * 8);
+      ops.push_back(q);
+      ops.push_back(CopyOp{scratch->host.get() + at_flag, dev + at_flag, 4});
+      finish = [pool, pin, scratch, keep, zero, at_flag, layer = r.layer,
+                locs = std::move(locs), &backend](const absl::Status& ran) -> absl::Status {
+        uint32_t flag = 0;
+        std::memcpy(&flag, scratch->host.get() + at_flag, 4);
+        absl::Status result = ran;
+        if (ran.ok() && flag != 0) {
+          std::vector<Op> undo;
+          if (keep.num_listed > 0) undo.push_back(ScatterPagesOp{keep});
+          if (zero.num_listed > 0) undo.push_back(ZeroPagesOp{zero});
+          result = backend.Run(undo);
+          if (result.ok()) {
+            result = Error(absl::StatusCode::kInvalidArgument, ErrorReason::kNonFiniteValue,
+                           "a source row holds NaN or Inf; nothing was stored");
+          }
+        }
+        pool->Unpin(pin, result.ok() ? static_cast<int>(layer) : -1,
+                    result.ok() ? std::span<const int64_t>(locs) : std::span<const int64_t>());
+        return result;
+      };
+    } else {
+      const int64_t at_offsets = AlignUp(n * 8, 256);
+      if (absl::Status s = make_scratch(2 * at_offsets); !s.ok()) {
+        pool->Unpin(pin);
+        return s;
+      }
+      DequantizeGatherParams d;
+      d.geometry = g;
+      d.pool = layer_base;
+      d.locs = stage(0, locs.data(), n * 8);
+      d.num_tokens = n;
+      d.out = reinterpret_cast<uint16_t*>(tensor->memory->base());
+      d.out_offsets = stage(at_offsets, offsets.data(), n * 8);
+      d.out_offset_align = 8;  // offsets and strides are multiples of 16 bytes
+      ops.push_back(d);
+      finish = [pool, pin, scratch](const absl::Status& ran) {
+        pool->Unpin(pin);
+        return ran;
+      };
+    }
+  } else {
+    if (r.tensor_blocks.size() != r.pages.size() || r.pages.empty()) {
+      return Invalid(ErrorReason::kInvalidRequest,
+                     absl::StrCat(r.tensor_blocks.size(), " blocks and ", r.pages.size(),
+                                  " pages: give one of each per page, at least one"));
+    }
+    if (static_cast<int>(spec.block_tokens) != page_size) {
+      return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kLayoutMismatch,
+                   absl::StrCat("tensor blocks of ", spec.block_tokens, " tokens, pool pages of ", page_size));
+    }
+    const bool transcode = spec.layout != g.layout;
+    if (save && transcode) {
+      return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kLayoutMismatch,
+                   absl::StrCat("records in ", LayoutName(spec.layout), " cannot be saved into a ",
+                                LayoutName(g.layout), " pool"));
+    }
+    const int64_t n = static_cast<int64_t>(r.pages.size());
+    std::vector<int64_t> blocks(n), flat(n), page_ids(n);
+    absl::flat_hash_set<uint64_t> seen_blocks, seen_pages;
+    for (int64_t i = 0; i < n; ++i) {
+      if (r.tensor_blocks[i] >= spec.num_blocks) {
+        return Invalid(ErrorReason::kBlockOutOfRange,
+                       absl::StrCat("block ", r.tensor_blocks[i], " is outside ", spec.num_blocks, " blocks"));
+      }
+      if (!seen_blocks.insert(r.tensor_blocks[i]).second && !save) {
+        return Invalid(ErrorReason::kDuplicatePage, absl::StrCat("block ", r.tensor_blocks[i], " is listed twice"));
+      }
+      KVF_RETURN_IF_ERROR(pool->table().CheckHandle(r.pages[i]));
+      if (!seen_pages.insert(r.pages[i].page_id).second && save) {
+        return Invalid(ErrorReason::kDuplicatePage, absl::StrCat("page ", r.pages[i].page_id, " is listed twice"));
+      }
+      blocks[i] = static_cast<int64_t>(r.tensor_blocks[i]);
+      page_ids[i] = static_cast<int64_t>(r.pages[i].page_id);
+      flat[i] = r.layer * g.num_pages + page_ids[i];
+    }
+    KVF_ASSIGN_OR_RETURN(pin, pool->table().PinPages(r.pages, /*exclusive=*/save));
+    tokens = n * page_size;
+    bytes_moved = 2 * n * g.page_bytes();
+    std::vector<int64_t> src_locs, dst_locs;
+    if (transcode) {
+      for (int64_t i = 0; i < n; ++i) {
+        for (int64_t s : pool->table().WrittenSlots(static_cast<int>(r.layer), {&page_ids[i], 1})) {
+          src_locs.push_back(page_ids[i] * page_size + s);
+          dst_locs.push_back(blocks[i] * page_size + s);
+        }
+      }
+    }
+    const int64_t w = static_cast<int64_t>(src_locs.size());
+    const int64_t at_flat = AlignUp(n * 8, 256), at_src = 2 * at_flat, at_dst = at_src + AlignUp(w * 8 + 8, 256);
+    if (absl::Status s = make_scratch(at_dst + AlignUp(w * 8 + 8, 256)); !s.ok()) {
+      pool->Unpin(pin);
+      return s;
+    }
+    PageCopyParams copy;
+    copy.geometry = pool->flat_pages();
+    copy.pool = pool->base();
+    copy.buffer_pages = stage(0, blocks.data(), n * 8);
+    copy.pages = stage(at_flat, flat.data(), n * 8);
+    copy.num_listed = n;
+    copy.buffer = tensor->data();
+    if (save) {
+      ops.push_back(ScatterPagesOp{copy});
+    } else if (!transcode) {
+      ops.push_back(GatherPagesOp{copy});
+    } else {
+      PageCopyParams clear;
+      clear.geometry = PageCopyGeometry{static_cast<int64_t>(spec.block_stride),
+                                        static_cast<int64_t>(spec.num_blocks), 1};
+      clear.pool = tensor->data();
+      clear.pages = copy.buffer_pages;
+      clear.num_listed = n;
+      ops.push_back(ZeroPagesOp{clear});
+      if (w > 0) {
+        TranscodeParams t;
+        t.from = g;
+        t.src = layer_base;
+        t.to = PoolGeometry{spec.layout, page_size, static_cast<int64_t>(spec.num_blocks)};
+        t.dst = tensor->data();
+        t.locs = stage(at_src, src_locs.data(), w * 8);
+        t.dst_locs = stage(at_dst, dst_locs.data(), w * 8);
+        t.num_tokens = w;
+        ops.push_back(t);
+      }
+    }
+    std::vector<int> layers(n, static_cast<int>(r.layer));
+    finish = [pool, pin, scratch, save, layers = std::move(layers),
+              page_ids = std::move(page_ids)](const absl::Status& ran) {
+      if (save && ran.ok()) {
+        pool->UnpinWrittenPages(pin, layers, page_ids);
+      } else {
+        pool->Unpin(pin);
+      }
+      return ran;
+    };
+  }
+
+  const char* op = save ? "save" : "load";
+  absl::StatusOr<Completion> submitted = backend.Submit(ops);
+  if (!submitted.ok()) {
+    // Nothing ran past the failed launch; the finishing step releases the pins.
+    const absl::Status s = finish(submitted.status());
+    if (observer_ != nullptr) observer_->RecordTransfer(op, false, 0, 0);
+    return s;
+  }
+  auto done = std::make_shared<Completion>(std::move(*submitted));
+  auto complete = [done, finish, tensor, observer = observer_, op, bytes_moved, start]() {
+    const absl::Status s = finish(WithReason(done->Wait(), ErrorReason::kDeviceError));
+    if (observer != nullptr) {
+      observer->RecordTransfer(
+          op, s.ok(), s.ok() ? bytes_moved : 0,
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+    return s;
+  };
+  if (r.async.has_value()) {
+    session->SetWord(*r.async, kWordPending);
+    Complete(session, *r.async, std::move(complete));
+    return 0;
+  }
+  KVF_RETURN_IF_ERROR(complete());
+  return tokens;
+}
+
+absl::StatusOr<PoolExport> SessionManager::MapPool(uint64_t session_id, const std::string& name) {
+  KVF_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(session_id));
+  KVF_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, pools_->Get(name));
+  if (pool->device() != session->device) {
+    return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kDeviceMismatch,
+                 absl::StrCat("pool '", name, "' lives on ", pool->device(), ", the session on ",
+                              session->device));
+  }
+  PoolExport out;
+  KVF_ASSIGN_OR_RETURN(out.memory, pool->backend().ExportIpc(pool->base()));
+  out.page_bytes = pool->geometry().page_bytes();
+  out.layer_bytes = pool->geometry().pool_bytes();
+  out.pool = pool->Stats();
+  {
+    absl::MutexLock lock(&mu_);
+    out.export_id = next_export_++;
+  }
+  absl::MutexLock lock(&session->mu);
+  session->exports[out.export_id] = Session::Export{std::move(pool)};
+  return out;
+}
+
+absl::Status SessionManager::UnmapPool(uint64_t session_id, uint64_t export_id) {
+  KVF_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(session_id));
+  absl::MutexLock lock(&session->mu);
+  if (session->exports.erase(export_id) == 0) {
+    return Error(absl::StatusCode::kNotFound, ErrorReason::kExportNotFound,
+                 absl::StrCat("session ", session_id, " has no export ", export_id));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SessionManager::AdoptPages(uint64_t session_id, const std::shared_ptr<Pool>& pool,
+                                        std::span<const PageHandle> pages) {
+  KVF_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(session_id));
+  absl::MutexLock lock(&session->mu);
+  session->pages.emplace_back(pool, std::vector<PageHandle>(pages.begin(), pages.end()));
+  return absl::OkStatus();
+}
+
+void SessionManager::PoolDeleted(const Pool& pool) {
+  std::vector<std::shared_ptr<Session>> all;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    for (auto& [id, s] : sessions_) all.push_back(s);
+  }
+  for (auto& s : all) {
+    absl::MutexLock lock(&s->mu);
+    for (auto& [id, e] : s->exports) {
+      if (e.pool.get() == &pool) {
+        s->revocations.push_back(absl::StrCat(id, " pool '", pool.config().name, "' was deleted"));
+      }
+    }
+  }
+}
+
+SessionCounts SessionManager::Counts() const {
+  std::vector<std::shared_ptr<Session>> all;
+  {
+    absl::ReaderMutexLock lock(&mu_);
+    for (auto& [id, s] : sessions_) all.push_back(s);
+  }
+  SessionCounts c;
+  c.sessions = static_cast<int64_t>(all.size());
+  for (auto& s : all) {
+    absl::MutexLock lock(&s->mu);
+    c.tensors += static_cast<int64_t>(s->tensors.size());
+    c.exports += static_cast<int64_t>(s->exports.size());
+    for (auto& [id, t] : s->tensors) c.registered_bytes += static_cast<int64_t>(t->bytes());
+  }
+  return c;
+}
+
+}  // namespace kvferry::server

@@ -1,0 +1,174 @@
+// Handlers of kvferry.v1.KvSession.
+#include "service/session_service.h"
+
+#include <thread>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "common/errors.h"
+#include "common/log.h"
+#include "kvferry/kernels/status_macros.h"
+#include "service/convert.h"
+#include "service/status.h"
+
+namespace kvferry::server {
+namespace {
+
+template <typename Body>
+grpc::Status Handle(grpc::ServerContext* context, Body&& body) {
+  return ToGrpcStatus(context, body());
+}
+
+absl::StatusOr<KvTensorSpec> FromProto(const v1::KvTensor& t) {
+  KvTensorSpec spec;
+  spec.ipc_handle = t.ipc_handle();
+  spec.offset = t.offset();
+  spec.num_blocks = t.num_blocks();
+  spec.block_tokens = t.block_tokens();
+  spec.block_stride = t.block_stride();
+  spec.token_stride = t.token_stride();
+  spec.name = t.name();
+  switch (t.kind()) {
+    case v1::ROW_KIND_BF16:
+      spec.kind = RowKind::kBf16;
+      break;
+    case v1::ROW_KIND_RECORDS: {
+      spec.kind = RowKind::kRecords;
+      absl::StatusOr<Layout> layout = server::FromProto(t.layout());
+      if (!layout.ok()) return layout.status();
+      spec.layout = *layout;
+      break;
+    }
+    default:
+      return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                   "tensor kind must be ROW_KIND_BF16 or ROW_KIND_RECORDS");
+  }
+  return spec;
+}
+
+std::vector<BlockSlot> FromProto(const google::protobuf::RepeatedPtrField<v1::BlockSlot>& slots) {
+  std::vector<BlockSlot> out;
+  out.reserve(slots.size());
+  for (const v1::BlockSlot& b : slots) out.push_back({b.block(), b.slot()});
+  return out;
+}
+
+template <typename Request>
+TransferRequest Common(const Request& req) {
+  TransferRequest t;
+  t.session_id = req.session_id();
+  t.tensor_id = req.tensor_id();
+  t.pool = req.pool();
+  t.layer = req.layer();
+  if (req.has_completion()) t.async = AsyncSlot{req.completion().slot(), req.completion().sequence()};
+  return t;
+}
+
+}  // namespace
+
+grpc::Status SessionService::OpenSession(
+    grpc::ServerContext* context,
+    grpc::ServerReaderWriter<v1::SessionEvent, v1::SessionRequest>* stream) {
+  v1::SessionRequest first;
+  if (!stream->Read(&first)) return grpc::Status::CANCELLED;
+  if (!first.has_open()) {
+    return ToGrpcStatus(context, Error(absl::StatusCode::kInvalidArgument,
+                                       ErrorReason::kInvalidRequest,
+                                       "the first message of a session must be `open`"));
+  }
+  absl::StatusOr<SessionManager::Opened> opened =
+      sessions_->Open(first.open().worker(), first.open().device(), first.open().completion_slots());
+  if (!opened.ok()) return ToGrpcStatus(context, opened.status());
+  const uint64_t id = opened->session_id;
+  log::Info("session opened id={} worker={} device=cuda:{}", id,
+            log::Quoted(first.open().worker()), first.open().device());
+  v1::SessionEvent event;
+  event.mutable_opened()->set_session_id(id);
+  event.mutable_opened()->set_completion_shm(opened->completion_shm);
+  event.mutable_opened()->set_completion_slots(opened->completion_slots);
+  stream->Write(event);
+  // Revocations go out on a writer thread; this thread reads until the worker goes away.
+  std::thread writer([&] {
+    while (std::optional<std::string> revoked = sessions_->NextRevocation(id)) {
+      v1::SessionEvent e;
+      uint64_t export_id = 0;
+      const size_t space = revoked->find(' ');
+      absl::SimpleAtoi(revoked->substr(0, space), &export_id);
+      e.mutable_revoked()->set_export_id(export_id);
+      e.mutable_revoked()->set_reason(revoked->substr(space + 1));
+      stream->Write(e);
+    }
+  });
+  v1::SessionRequest request;
+  while (stream->Read(&request)) {
+    if (request.has_close()) break;
+  }
+  sessions_->Close(id);
+  writer.join();
+  log::Info("session closed id={}{}", id, context->IsCancelled() ? " (worker gone)" : "");
+  return grpc::Status::OK;
+}
+
+grpc::Status SessionService::RegisterKv(grpc::ServerContext* context,
+                                        const v1::RegisterKvRequest* req,
+                                        v1::RegisterKvResponse* out) {
+  return Handle(context, [&]() -> absl::Status {
+    std::vector<KvTensorSpec> specs;
+    for (const v1::KvTensor& t : req->tensors()) {
+      KVF_ASSIGN_OR_RETURN(KvTensorSpec spec, FromProto(t));
+      specs.push_back(std::move(spec));
+    }
+    KVF_ASSIGN_OR_RETURN(const std::vector<uint64_t> ids, sessions_->Register(req->session_id(), specs));
+    for (uint64_t id : ids) out->add_tensor_ids(id);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status SessionService::Save(grpc::ServerContext* context, const v1::SaveRequest* req,
+                                  v1::TransferResponse* out) {
+  return Handle(context, [&]() -> absl::Status {
+    TransferRequest t = Common(*req);
+    t.blocks = FromProto(req->sources());
+    t.locations = server::FromProto(req->destinations());
+    t.tensor_blocks.assign(req->source_blocks().begin(), req->source_blocks().end());
+    t.pages = server::FromProto(req->destination_pages());
+    KVF_ASSIGN_OR_RETURN(const int64_t tokens, sessions_->Save(t));
+    out->set_tokens(tokens);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status SessionService::Load(grpc::ServerContext* context, const v1::LoadRequest* req,
+                                  v1::TransferResponse* out) {
+  return Handle(context, [&]() -> absl::Status {
+    TransferRequest t = Common(*req);
+    t.locations = server::FromProto(req->sources());
+    t.blocks = FromProto(req->destinations());
+    t.pages = server::FromProto(req->source_pages());
+    t.tensor_blocks.assign(req->destination_blocks().begin(), req->destination_blocks().end());
+    KVF_ASSIGN_OR_RETURN(const int64_t tokens, sessions_->Load(t));
+    out->set_tokens(tokens);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status SessionService::MapPool(grpc::ServerContext* context, const v1::MapPoolRequest* req,
+                                     v1::MapPoolResponse* out) {
+  return Handle(context, [&]() -> absl::Status {
+    KVF_ASSIGN_OR_RETURN(const PoolExport e, sessions_->MapPool(req->session_id(), req->pool()));
+    out->set_export_id(e.export_id);
+    out->set_ipc_handle(e.memory.ipc_handle);
+    out->set_offset(e.memory.offset);
+    out->set_page_bytes(e.page_bytes);
+    out->set_layer_bytes(e.layer_bytes);
+    ToProto(e.pool, out->mutable_pool());
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status SessionService::UnmapPool(grpc::ServerContext* context,
+                                       const v1::UnmapPoolRequest* req, v1::UnmapPoolResponse*) {
+  return Handle(context, [&] { return sessions_->UnmapPool(req->session_id(), req->export_id()); });
+}
+
+}  // namespace kvferry::server
