@@ -28,6 +28,7 @@ absl::Status Invalid(ErrorReason reason, std::string message) {
 
 struct SessionManager::Tensor {
   KvTensorSpec spec;
+  std::shared_ptr<Backend> backend;
   std::shared_ptr<ImportedMemory> memory;
   uint8_t* data() const { return memory->base() + spec.offset; }
   uint64_t bytes() const {
@@ -42,7 +43,6 @@ struct SessionManager::Session {
   uint64_t id = 0;
   std::string worker;
   std::string device;  // "cuda:N"
-  std::shared_ptr<Backend> backend;
   std::string shm_name;
   uint64_t* words = nullptr;
   uint32_t slots = 0;
@@ -118,7 +118,6 @@ absl::StatusOr<SessionManager::Opened> SessionManager::Open(const std::string& w
   auto session = std::make_shared<Session>();
   session->worker = worker.substr(0, 64);
   session->device = absl::StrCat("cuda:", device);
-  KVF_ASSIGN_OR_RETURN(session->backend, pools_->BackendFor(session->device));
   {
     absl::MutexLock lock(&mu_);
     session->id = next_session_++;
@@ -203,6 +202,9 @@ absl::StatusOr<std::shared_ptr<SessionManager::Session>> SessionManager::Find(ui
 absl::StatusOr<std::vector<uint64_t>> SessionManager::Register(
     uint64_t session_id, std::span<const KvTensorSpec> specs) {
   KVF_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(session_id));
+  // The device's backend, made on the first registration (a session without tensors works
+  // on any daemon: its completion words and pages need no GPU).
+  KVF_ASSIGN_OR_RETURN(std::shared_ptr<Backend> backend, pools_->BackendFor(session->device));
   std::vector<std::shared_ptr<Tensor>> made;
   for (const KvTensorSpec& spec : specs) {
     const std::string name = spec.name.substr(0, 64);
@@ -235,7 +237,8 @@ absl::StatusOr<std::vector<uint64_t>> SessionManager::Register(
     }
     auto tensor = std::make_shared<Tensor>();
     tensor->spec = spec;
-    KVF_ASSIGN_OR_RETURN(tensor->memory, session->backend->ImportIpc(spec.ipc_handle));
+    tensor->backend = backend;
+    KVF_ASSIGN_OR_RETURN(tensor->memory, backend->ImportIpc(spec.ipc_handle));
     // A geometry past the allocation would let a kernel fault and take the device down for
     // every client: refused here.
     if (spec.offset + tensor->bytes() > tensor->memory->bytes()) {
@@ -301,7 +304,7 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
   }
   const PoolGeometry g = pool->geometry();
   const int page_size = g.page_size;
-  Backend& backend = *session->backend;
+  Backend& backend = *tensor->backend;
   uint8_t* layer_base = pool->base() + r.layer * g.pool_bytes();
 
   // Host staging for the index arrays and the flag, pinned; device scratch beside it.

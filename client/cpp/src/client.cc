@@ -14,91 +14,10 @@
 #include "absl/strings/str_cat.h"
 #include "kvferry/v1/kvferry.grpc.pb.h"
 
-// Returns a non-OK absl::Status from the enclosing function (the client has no dependency
-// on the daemon's status macros).
-#define KVF_CLIENT_RETURN(expr)                                  \
-  do {                                                           \
-    if (absl::Status _kvf_s = (expr); !_kvf_s.ok()) return _kvf_s; \
-  } while (false)
+#include "internal.h"
 
 namespace kvferry::client {
-namespace {
-
-constexpr char kReasonPayload[] = "kvferry.dev/error-reason";
-constexpr char kReasonTrailer[] = "kvferry-error-reason";
-constexpr int kRowValues = 512;
-constexpr int kRowBytes = kRowValues * 2;
-
-v1::Layout ToProto(Layout layout) {
-  switch (layout) {
-    case Layout::kV4: return v1::LAYOUT_V4;
-    case Layout::kV41: return v1::LAYOUT_V41;
-    case Layout::kV41Fp4: return v1::LAYOUT_V41_FP4;
-  }
-  return v1::LAYOUT_UNSPECIFIED;
-}
-
-Layout FromProto(v1::Layout layout) {
-  switch (layout) {
-    case v1::LAYOUT_V41: return Layout::kV41;
-    case v1::LAYOUT_V41_FP4: return Layout::kV41Fp4;
-    default: return Layout::kV4;
-  }
-}
-
-void ToProto(const PageHandle& h, v1::PageHandle* out) {
-  out->set_page_id(h.page_id);
-  out->set_generation(h.generation);
-}
-
-PoolInfo FromProto(const v1::Pool& p) {
-  PoolInfo info;
-  info.spec = PoolSpec{p.name(), FromProto(p.layout()), p.page_size(), p.num_pages(),
-                       p.num_layers(), p.device()};
-  info.pool_id = p.pool_id();
-  info.page_bytes = p.page_bytes();
-  info.pool_bytes = p.pool_bytes();
-  info.pages_used = p.pages_used();
-  info.pages_free = p.pages_free();
-  info.tokens_held = p.tokens_held();
-  return info;
-}
-
-absl::StatusCode ToAbslCode(grpc::StatusCode code) {
-  switch (code) {
-    case grpc::StatusCode::OK: return absl::StatusCode::kOk;
-    case grpc::StatusCode::CANCELLED: return absl::StatusCode::kCancelled;
-    case grpc::StatusCode::UNKNOWN: return absl::StatusCode::kUnknown;
-    case grpc::StatusCode::INVALID_ARGUMENT: return absl::StatusCode::kInvalidArgument;
-    case grpc::StatusCode::DEADLINE_EXCEEDED: return absl::StatusCode::kDeadlineExceeded;
-    case grpc::StatusCode::NOT_FOUND: return absl::StatusCode::kNotFound;
-    case grpc::StatusCode::ALREADY_EXISTS: return absl::StatusCode::kAlreadyExists;
-    case grpc::StatusCode::PERMISSION_DENIED: return absl::StatusCode::kPermissionDenied;
-    case grpc::StatusCode::RESOURCE_EXHAUSTED: return absl::StatusCode::kResourceExhausted;
-    case grpc::StatusCode::FAILED_PRECONDITION: return absl::StatusCode::kFailedPrecondition;
-    case grpc::StatusCode::ABORTED: return absl::StatusCode::kAborted;
-    case grpc::StatusCode::OUT_OF_RANGE: return absl::StatusCode::kOutOfRange;
-    case grpc::StatusCode::UNIMPLEMENTED: return absl::StatusCode::kUnimplemented;
-    case grpc::StatusCode::INTERNAL: return absl::StatusCode::kInternal;
-    case grpc::StatusCode::UNAVAILABLE: return absl::StatusCode::kUnavailable;
-    case grpc::StatusCode::DATA_LOSS: return absl::StatusCode::kDataLoss;
-    case grpc::StatusCode::UNAUTHENTICATED: return absl::StatusCode::kUnauthenticated;
-    default: return absl::StatusCode::kUnknown;
-  }
-}
-
-// The server's status as absl, with its reason trailer as a payload.
-absl::Status FromGrpc(const grpc::Status& s, const grpc::ClientContext& ctx) {
-  if (s.ok()) return absl::OkStatus();
-  absl::Status out(ToAbslCode(s.error_code()), s.error_message());
-  const auto& trailers = ctx.GetServerTrailingMetadata();
-  if (auto it = trailers.find(kReasonTrailer); it != trailers.end()) {
-    out.SetPayload(kReasonPayload, absl::Cord(absl::string_view(it->second.data(), it->second.size())));
-  }
-  return out;
-}
-
-}  // namespace
+using namespace internal;  // NOLINT: the shared conversions
 
 const char* LayoutName(Layout layout) {
   switch (layout) {
@@ -130,10 +49,7 @@ struct Client::Impl {
   std::unique_ptr<v1::KvFerry::Stub> stub;
 
   void Prepare(grpc::ClientContext& ctx, const CallOptions& call) const {
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + call.timeout.value_or(options.timeout)));
-    if (!options.bearer_token.empty()) {
-      ctx.AddMetadata("authorization", "Bearer " + options.bearer_token);
-    }
+    internal::Prepare(ctx, options, call.timeout.value_or(options.timeout));
   }
 
   // Runs `attempt` (which makes one call with a fresh context) again while it fails
@@ -243,12 +159,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
     return absl::InvalidArgumentError(absl::StrCat("message_bytes must be at least ", kRowBytes));
   }
   auto impl = std::make_unique<Impl>();
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(static_cast<int>(options.message_bytes + (1 << 20)));
-  args.SetMaxSendMessageSize(static_cast<int>(options.message_bytes + (1 << 20)));
-  impl->channel = grpc::CreateCustomChannel(
-      options.target,
-      options.credentials ? options.credentials : grpc::InsecureChannelCredentials(), args);
+  impl->channel = MakeChannel(options);
   impl->stub = v1::KvFerry::NewStub(impl->channel);
   impl->options = std::move(options);
   return std::unique_ptr<Client>(new Client(std::move(impl)));

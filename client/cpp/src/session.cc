@@ -1,0 +1,356 @@
+// The worker side of a CUDA IPC session: the session stream, tensors, Save/Load, and the
+// completion words read from shared memory.
+#include "kvferry/client/session.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "internal.h"
+#include "kvferry/v1/kvferry.grpc.pb.h"
+#include "kvferry/v1/session.grpc.pb.h"
+
+namespace kvferry::client {
+using namespace internal;  // NOLINT: the shared conversions
+
+namespace {
+
+constexpr uint64_t kDone = 2, kFailed = 3;
+
+uint64_t LoadWord(const uint64_t* word) {
+  return std::atomic_ref<const uint64_t>(*word).load(std::memory_order_acquire);
+}
+
+// The completion area, mapped read-only.
+struct Area {
+  const uint64_t* words = nullptr;
+  size_t bytes = 0;
+  ~Area() {
+    if (words != nullptr) munmap(const_cast<uint64_t*>(words), bytes);
+  }
+};
+
+}  // namespace
+
+bool Session::Pending::Done() const {
+  if (word_ == nullptr) return true;
+  const uint64_t w = LoadWord(word_);
+  return (w >> 8) == sequence_ && ((w & 0xFF) == kDone || (w & 0xFF) == kFailed);
+}
+
+absl::Status Session::Pending::Wait(absl::Duration timeout) const {
+  const absl::Time deadline = absl::Now() + timeout;
+  for (int spins = 0; !Done(); ++spins) {
+    if (absl::Now() > deadline) return absl::DeadlineExceededError("the operation did not complete");
+    if (spins > 1000) std::this_thread::yield();
+  }
+  if (word_ != nullptr && (LoadWord(word_) & 0xFF) == kFailed) {
+    return absl::InternalError("the daemon reported the operation failed; nothing was stored");
+  }
+  return absl::OkStatus();
+}
+
+struct Session::Impl {
+  ClientOptions options;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::KvSession::Stub> sessions;
+  std::unique_ptr<v1::KvFerry::Stub> pools;
+  grpc::ClientContext stream_ctx;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionEvent>> stream;
+  std::thread events;
+  uint64_t id = 0;
+  std::shared_ptr<Area> area;
+  uint32_t slots = 0;
+
+  absl::Mutex mu;
+  std::vector<uint64_t> revoked ABSL_GUARDED_BY(mu);
+  std::vector<bool> busy ABSL_GUARDED_BY(mu);      // slots whose operation may still run
+  std::vector<uint64_t> issued ABSL_GUARDED_BY(mu);  // sequence of each slot's operation
+  uint64_t next_sequence ABSL_GUARDED_BY(mu) = 1;
+  bool closed = false;
+
+  template <typename Request, typename Response>
+  absl::Status Unary(grpc::Status (v1::KvSession::Stub::*method)(grpc::ClientContext*,
+                                                                const Request&, Response*),
+                     const Request& request, Response* response) {
+    grpc::ClientContext ctx;
+    Prepare(ctx, options, options.timeout);
+    return FromGrpc((sessions.get()->*method)(&ctx, request, response), ctx);
+  }
+
+  // A free completion slot and its next sequence.
+  absl::StatusOr<std::pair<uint32_t, uint64_t>> TakeSlot() {
+    absl::MutexLock lock(&mu);
+    for (uint32_t i = 0; i < slots; ++i) {
+      if (busy[i]) {
+        const uint64_t w = LoadWord(area->words + i);
+        if ((w >> 8) == issued[i] && (w & 0xFF) >= kDone) busy[i] = false;
+      }
+      if (!busy[i]) {
+        busy[i] = true;
+        issued[i] = next_sequence++;
+        return std::make_pair(i, issued[i]);
+      }
+    }
+    return absl::ResourceExhaustedError(
+        absl::StrCat("all ", slots, " completion slots hold operations still running"));
+  }
+};
+
+Session::Session(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Session::~Session() { Close().IgnoreError(); }
+
+uint64_t Session::id() const { return impl_->id; }
+
+absl::StatusOr<std::unique_ptr<Session>> Session::Open(const ClientOptions& options,
+                                                       const std::string& worker,
+                                                       uint32_t device, uint32_t slots) {
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  impl->channel = MakeChannel(options);
+  impl->sessions = v1::KvSession::NewStub(impl->channel);
+  impl->pools = v1::KvFerry::NewStub(impl->channel);
+  if (!options.bearer_token.empty()) {
+    impl->stream_ctx.AddMetadata("authorization", "Bearer " + options.bearer_token);
+  }
+  impl->stream = impl->sessions->OpenSession(&impl->stream_ctx);
+  v1::SessionRequest open;
+  open.mutable_open()->set_worker(worker);
+  open.mutable_open()->set_device(device);
+  open.mutable_open()->set_completion_slots(slots);
+  v1::SessionEvent event;
+  if (!impl->stream->Write(open) || !impl->stream->Read(&event) || !event.has_opened()) {
+    impl->stream->WritesDone();
+    const grpc::Status s = impl->stream->Finish();
+    absl::Status status = FromGrpc(s, impl->stream_ctx);
+    if (status.ok()) status = absl::UnavailableError("the daemon did not open the session");
+    return status;
+  }
+  impl->id = event.opened().session_id();
+  impl->slots = event.opened().completion_slots();
+  // The completion words, read-only in this process.
+  const int fd = shm_open(event.opened().completion_shm().c_str(), O_RDONLY, 0);
+  if (fd < 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "cannot open the completion area ", event.opened().completion_shm(),
+        " (the worker and the daemon need one /dev/shm): ", std::strerror(errno)));
+  }
+  auto area = std::make_shared<Area>();
+  area->bytes = impl->slots * sizeof(uint64_t);
+  void* map = mmap(nullptr, area->bytes, PROT_READ, MAP_SHARED, fd, 0);
+  close(fd);
+  if (map == MAP_FAILED) return absl::InternalError("cannot map the completion area");
+  area->words = static_cast<const uint64_t*>(map);
+  impl->area = std::move(area);
+  {
+    absl::MutexLock lock(&impl->mu);
+    impl->busy.assign(impl->slots, false);
+    impl->issued.assign(impl->slots, 0);
+  }
+  Impl* raw = impl.get();
+  impl->events = std::thread([raw] {
+    v1::SessionEvent e;
+    while (raw->stream->Read(&e)) {
+      if (e.has_revoked()) {
+        absl::MutexLock lock(&raw->mu);
+        raw->revoked.push_back(e.revoked().export_id());
+      }
+    }
+  });
+  return std::unique_ptr<Session>(new Session(std::move(impl)));
+}
+
+absl::Status Session::Close() {
+  if (impl_ == nullptr || impl_->closed) return absl::OkStatus();
+  impl_->closed = true;
+  v1::SessionRequest close;
+  close.mutable_close();
+  impl_->stream->Write(close);
+  impl_->stream->WritesDone();
+  impl_->events.join();  // the daemon ends the stream after closing the session
+  return FromGrpc(impl_->stream->Finish(), impl_->stream_ctx);
+}
+
+absl::StatusOr<uint64_t> Session::RegisterKv(const KvTensor& t) {
+  v1::RegisterKvRequest req;
+  req.set_session_id(impl_->id);
+  v1::KvTensor* p = req.add_tensors();
+  p->set_ipc_handle(t.ipc_handle);
+  p->set_offset(t.offset);
+  p->set_num_blocks(t.num_blocks);
+  p->set_block_tokens(t.block_tokens);
+  p->set_block_stride(t.block_stride);
+  p->set_token_stride(t.token_stride);
+  p->set_kind(t.kind == KvTensor::Kind::kBf16 ? v1::ROW_KIND_BF16 : v1::ROW_KIND_RECORDS);
+  p->set_layout(ToProto(t.layout));
+  p->set_name(t.name);
+  v1::RegisterKvResponse resp;
+  KVF_CLIENT_RETURN(impl_->Unary(&v1::KvSession::Stub::RegisterKv, req, &resp));
+  if (resp.tensor_ids_size() != 1) return absl::InternalError("RegisterKv answered no tensor id");
+  return resp.tensor_ids(0);
+}
+
+absl::StatusOr<std::vector<PageHandle>> Session::AllocatePages(const std::string& pool,
+                                                               uint32_t count) {
+  v1::AllocatePagesRequest req;
+  req.set_pool(pool);
+  req.set_count(count);
+  req.set_session_id(impl_->id);
+  v1::AllocatePagesResponse resp;
+  grpc::ClientContext ctx;
+  Prepare(ctx, impl_->options, impl_->options.timeout);
+  KVF_CLIENT_RETURN(FromGrpc(impl_->pools->AllocatePages(&ctx, req, &resp), ctx));
+  std::vector<PageHandle> pages;
+  for (const auto& h : resp.pages()) pages.push_back({h.page_id(), h.generation()});
+  return pages;
+}
+
+namespace {
+
+template <typename Request>
+void Target(Request& req, uint64_t session, uint64_t tensor, const std::string& pool,
+            uint32_t layer) {
+  req.set_session_id(session);
+  req.set_tensor_id(tensor);
+  req.set_pool(pool);
+  req.set_layer(layer);
+}
+
+void AddSlots(std::span<const BlockSlot> slots, google::protobuf::RepeatedPtrField<v1::BlockSlot>* out) {
+  for (const BlockSlot& b : slots) {
+    v1::BlockSlot* p = out->Add();
+    p->set_block(b.block);
+    p->set_slot(b.slot);
+  }
+}
+
+void AddLocations(std::span<const TokenLocation> locations,
+                  google::protobuf::RepeatedPtrField<v1::TokenLocation>* out) {
+  for (const TokenLocation& l : locations) {
+    v1::TokenLocation* p = out->Add();
+    ToProto(l.page, p->mutable_page());
+    p->set_slot(l.slot);
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<uint64_t> Session::Save(uint64_t tensor, const std::string& pool, uint32_t layer,
+                                       std::span<const BlockSlot> from,
+                                       std::span<const TokenLocation> to) {
+  v1::SaveRequest req;
+  Target(req, impl_->id, tensor, pool, layer);
+  AddSlots(from, req.mutable_sources());
+  AddLocations(to, req.mutable_destinations());
+  v1::TransferResponse resp;
+  KVF_CLIENT_RETURN(impl_->Unary(&v1::KvSession::Stub::Save, req, &resp));
+  return resp.tokens();
+}
+
+absl::StatusOr<uint64_t> Session::Load(uint64_t tensor, const std::string& pool, uint32_t layer,
+                                       std::span<const TokenLocation> from,
+                                       std::span<const BlockSlot> to) {
+  v1::LoadRequest req;
+  Target(req, impl_->id, tensor, pool, layer);
+  AddLocations(from, req.mutable_sources());
+  AddSlots(to, req.mutable_destinations());
+  v1::TransferResponse resp;
+  KVF_CLIENT_RETURN(impl_->Unary(&v1::KvSession::Stub::Load, req, &resp));
+  return resp.tokens();
+}
+
+absl::StatusOr<uint64_t> Session::SaveBlocks(uint64_t tensor, const std::string& pool,
+                                             uint32_t layer, std::span<const uint64_t> from,
+                                             std::span<const PageHandle> to) {
+  v1::SaveRequest req;
+  Target(req, impl_->id, tensor, pool, layer);
+  for (uint64_t b : from) req.add_source_blocks(b);
+  for (const PageHandle& h : to) ToProto(h, req.add_destination_pages());
+  v1::TransferResponse resp;
+  KVF_CLIENT_RETURN(impl_->Unary(&v1::KvSession::Stub::Save, req, &resp));
+  return resp.tokens();
+}
+
+absl::StatusOr<uint64_t> Session::LoadBlocks(uint64_t tensor, const std::string& pool,
+                                             uint32_t layer, std::span<const PageHandle> from,
+                                             std::span<const uint64_t> to) {
+  v1::LoadRequest req;
+  Target(req, impl_->id, tensor, pool, layer);
+  for (const PageHandle& h : from) ToProto(h, req.add_source_pages());
+  for (uint64_t b : to) req.add_destination_blocks(b);
+  v1::TransferResponse resp;
+  KVF_CLIENT_RETURN(impl_->Unary(&v1::KvSession::Stub::Load, req, &resp));
+  return resp.tokens();
+}
+
+absl::StatusOr<Session::Pending> Session::SaveAsync(uint64_t tensor, const std::string& pool,
+                                                    uint32_t layer, std::span<const BlockSlot> from,
+                                                    std::span<const TokenLocation> to) {
+  absl::StatusOr<std::pair<uint32_t, uint64_t>> slot = impl_->TakeSlot();
+  if (!slot.ok()) return slot.status();
+  v1::SaveRequest req;
+  Target(req, impl_->id, tensor, pool, layer);
+  AddSlots(from, req.mutable_sources());
+  AddLocations(to, req.mutable_destinations());
+  req.mutable_completion()->set_slot(slot->first);
+  req.mutable_completion()->set_sequence(slot->second);
+  v1::TransferResponse resp;
+  KVF_CLIENT_RETURN(impl_->Unary(&v1::KvSession::Stub::Save, req, &resp));
+  return Pending(impl_->area, impl_->area->words + slot->first, slot->second);
+}
+
+absl::StatusOr<Session::Pending> Session::LoadAsync(uint64_t tensor, const std::string& pool,
+                                                    uint32_t layer,
+                                                    std::span<const TokenLocation> from,
+                                                    std::span<const BlockSlot> to) {
+  absl::StatusOr<std::pair<uint32_t, uint64_t>> slot = impl_->TakeSlot();
+  if (!slot.ok()) return slot.status();
+  v1::LoadRequest req;
+  Target(req, impl_->id, tensor, pool, layer);
+  AddLocations(from, req.mutable_sources());
+  AddSlots(to, req.mutable_destinations());
+  req.mutable_completion()->set_slot(slot->first);
+  req.mutable_completion()->set_sequence(slot->second);
+  v1::TransferResponse resp;
+  KVF_CLIENT_RETURN(impl_->Unary(&v1::KvSession::Stub::Load, req, &resp));
+  return Pending(impl_->area, impl_->area->words + slot->first, slot->second);
+}
+
+absl::StatusOr<PoolMapping> Session::MapPool(const std::string& pool) {
+  v1::MapPoolRequest req;
+  req.set_session_id(impl_->id);
+  req.set_pool(pool);
+  v1::MapPoolResponse resp;
+  KVF_CLIENT_RETURN(impl_->Unary(&v1::KvSession::Stub::MapPool, req, &resp));
+  PoolMapping m;
+  m.export_id = resp.export_id();
+  m.ipc_handle = resp.ipc_handle();
+  m.offset = resp.offset();
+  m.page_bytes = resp.page_bytes();
+  m.layer_bytes = resp.layer_bytes();
+  m.pool = FromProto(resp.pool());
+  return m;
+}
+
+absl::Status Session::UnmapPool(uint64_t export_id) {
+  v1::UnmapPoolRequest req;
+  req.set_session_id(impl_->id);
+  req.set_export_id(export_id);
+  v1::UnmapPoolResponse resp;
+  return impl_->Unary(&v1::KvSession::Stub::UnmapPool, req, &resp);
+}
+
+std::vector<uint64_t> Session::Revoked() const {
+  absl::MutexLock lock(&impl_->mu);
+  return impl_->revoked;
+}
+
+}  // namespace kvferry::client

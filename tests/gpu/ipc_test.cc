@@ -1,0 +1,352 @@
+// CUDA IPC sessions on a GPU: this test process is the worker (its tensors in its own
+// device memory), kvferryd another process. Save and Load against the golden vectors and
+// the daemon's gRPC reads, asynchronous completion, invalid requests leaving the pool as
+// it was, pool exports, and a worker killed with SIGKILL.
+#include <cuda_runtime_api.h>
+#include <httplib.h>
+#include <signal.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <numeric>
+#include <random>
+
+#include "common/golden.h"
+#include "common/random_rows.h"
+#include "daemon_harness.h"
+#include "kvferry/client/client.h"
+#include "kvferry/client/cuda_ipc.h"
+#include "kvferry/client/session.h"
+#include "kvferry/kernels/ops.h"
+
+namespace kvferry {
+namespace {
+
+using client::BlockSlot;
+using client::KvTensor;
+using client::PageHandle;
+using client::Session;
+using client::TokenLocation;
+
+bool HaveGpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+client::Layout L(Layout l) {
+  return l == Layout::kV4 ? client::Layout::kV4 : l == Layout::kV41 ? client::Layout::kV41 : client::Layout::kV41Fp4;
+}
+
+// Device memory of the worker.
+struct Device {
+  explicit Device(size_t n) : bytes(n) {
+    EXPECT_EQ(cudaMalloc(&ptr, n), cudaSuccess);
+    cudaMemset(ptr, 0, n);
+  }
+  ~Device() { cudaFree(ptr); }
+  void Upload(const void* host, size_t n, size_t at = 0) {
+    ASSERT_EQ(cudaMemcpy(static_cast<uint8_t*>(ptr) + at, host, n, cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  std::vector<uint8_t> Download() const {
+    std::vector<uint8_t> h(bytes);
+    EXPECT_EQ(cudaMemcpy(h.data(), ptr, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    return h;
+  }
+  void* ptr = nullptr;
+  size_t bytes;
+};
+
+class IpcTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
+    daemon_ = std::make_unique<testing::Daemon>(std::vector<std::string>{"--default_device=cuda:0"});
+    options_.target = "127.0.0.1:" + std::to_string(daemon_->grpc_port());
+    client_ = *client::Client::Connect(options_);
+    auto s = Session::Open(options_, "ipc-test", 0);
+    ASSERT_TRUE(s.ok()) << s.status();
+    session_ = std::move(*s);
+  }
+
+  // A bf16 tensor: `blocks` blocks of `tokens` tokens, rows `stride` bytes apart.
+  uint64_t RegisterBf16(Device& d, uint64_t blocks, uint32_t tokens, uint64_t stride, uint64_t block_stride) {
+    KvTensor t{.num_blocks = blocks, .block_tokens = tokens, .block_stride = block_stride,
+               .token_stride = stride, .kind = KvTensor::Kind::kBf16, .name = "bf16"};
+    EXPECT_TRUE(client::DescribeDevicePointer(d.ptr, t).ok());
+    auto id = session_->RegisterKv(t);
+    EXPECT_TRUE(id.ok()) << id.status();
+    return id.value_or(0);
+  }
+  uint64_t RegisterRecords(Device& d, uint64_t blocks, uint32_t page_size, Layout layout) {
+    KvTensor t{.num_blocks = blocks, .block_tokens = page_size,
+               .block_stride = static_cast<uint64_t>(PageBytes(layout, page_size)),
+               .kind = KvTensor::Kind::kRecords, .layout = L(layout), .name = "records"};
+    EXPECT_TRUE(client::DescribeDevicePointer(d.ptr, t).ok());
+    auto id = session_->RegisterKv(t);
+    EXPECT_TRUE(id.ok()) << id.status();
+    return id.value_or(0);
+  }
+  std::vector<PageHandle> NewPool(const std::string& name, Layout layout, int page_size, int64_t pages) {
+    EXPECT_TRUE(client_->CreatePool({name, L(layout), static_cast<uint32_t>(page_size),
+                                     static_cast<uint64_t>(pages), 1, "cuda:0"}).ok());
+    return *client_->AllocatePages(name, static_cast<uint32_t>(pages));
+  }
+
+  client::ClientOptions options_;
+  std::unique_ptr<testing::Daemon> daemon_;
+  std::unique_ptr<client::Client> client_;
+  std::unique_ptr<Session> session_;
+};
+
+TEST_F(IpcTest, SaveAndLoadOfBf16RowsMatchTheGoldensByteForByte) {
+  for (const testing::GoldenCase& g : testing::GoldenCases()) {
+    const auto rows = testing::ReadArray<uint16_t>(g.file("input.bf16"));
+    const auto locs = testing::ReadArray<int64_t>(g.file("locs.i64"));
+    // An engine-like cache: one block per page, rows 1536 bytes apart, blocks padded.
+    const uint64_t stride = 1536, block_stride = g.page_size * stride + 256;
+    Device cache(g.num_pages * block_stride);
+    for (size_t i = 0; i < locs.size(); ++i) {
+      cache.Upload(rows.data() + i * 512, 1024,
+                   (locs[i] / g.page_size) * block_stride + (locs[i] % g.page_size) * stride);
+    }
+    const uint64_t tensor = RegisterBf16(cache, g.num_pages, g.page_size, stride, block_stride);
+    for (Layout layout : testing::AllLayouts()) {
+      const std::string l = LayoutName(layout), name = g.name + "." + l;
+      SCOPED_TRACE(name);
+      const auto pages = NewPool(name, layout, g.page_size, g.num_pages);
+      std::vector<BlockSlot> from;
+      std::vector<TokenLocation> to;
+      for (int64_t loc : locs) {
+        from.push_back({static_cast<uint64_t>(loc / g.page_size), static_cast<uint32_t>(loc % g.page_size)});
+        to.push_back({pages[loc / g.page_size], static_cast<uint32_t>(loc % g.page_size)});
+      }
+      auto saved = session_->Save(tensor, name, 0, from, to);
+      ASSERT_TRUE(saved.ok()) << saved.status();
+      EXPECT_EQ(*saved, locs.size());
+      EXPECT_EQ(*client_->ReadPages(name, pages), testing::ReadBytes(g.file("pool." + l + ".bin")));
+      // Load into a dense workspace tensor in reverse order.
+      Device ws(locs.size() * 1024);
+      const uint64_t ws_tensor = RegisterBf16(ws, 1, static_cast<uint32_t>(locs.size()), 1024, locs.size() * 1024);
+      std::vector<BlockSlot> dest;
+      for (size_t i = 0; i < locs.size(); ++i) dest.push_back({0, static_cast<uint32_t>(locs.size() - 1 - i)});
+      auto loaded = session_->Load(ws_tensor, name, 0, to, dest);
+      ASSERT_TRUE(loaded.ok()) << loaded.status();
+      const auto got = ws.Download();
+      const auto expected = testing::ReadBytes(g.file("dequant." + l + ".bf16"));
+      for (size_t i = 0; i < locs.size(); ++i) {
+        ASSERT_TRUE(std::equal(expected.begin() + i * 1024, expected.begin() + (i + 1) * 1024,
+                               got.begin() + (locs.size() - 1 - i) * 1024))
+            << "row " << i;
+      }
+    }
+  }
+}
+
+TEST_F(IpcTest, PagesOfRecordsSaveAndLoadAsStoredOrTranscoded) {
+  for (const testing::GoldenCase& g : testing::GoldenCases()) {
+    for (Layout layout : testing::AllLayouts()) {
+      const std::string l = LayoutName(layout), name = g.name + ".r." + l;
+      SCOPED_TRACE(name);
+      const auto golden = testing::ReadBytes(g.file("pool." + l + ".bin"));
+      const int64_t pb = PageBytes(layout, g.page_size);
+      // The golden pages in a records tensor, block i = page num_pages - 1 - i.
+      Device records(golden.size());
+      for (int64_t p = 0; p < g.num_pages; ++p) records.Upload(golden.data() + p * pb, pb, (g.num_pages - 1 - p) * pb);
+      const uint64_t tensor = RegisterRecords(records, g.num_pages, g.page_size, layout);
+      const auto pages = NewPool(name, layout, g.page_size, g.num_pages);
+      std::vector<uint64_t> blocks(g.num_pages);
+      for (int64_t p = 0; p < g.num_pages; ++p) blocks[p] = g.num_pages - 1 - p;
+      auto saved = session_->SaveBlocks(tensor, name, 0, blocks, pages);
+      ASSERT_TRUE(saved.ok()) << saved.status();
+      EXPECT_EQ(*client_->ReadPages(name, pages), golden);
+      // Back out as V4 records (FlashMLA SM90 reads only those): the golden transcode.
+      const int64_t v4 = PageBytes(Layout::kV4, g.page_size);
+      Device out(g.num_pages * v4);
+      cudaMemset(out.ptr, 0x5A, out.bytes);  // poisoned: every byte must be written
+      const uint64_t out_tensor = RegisterRecords(out, g.num_pages, g.page_size, Layout::kV4);
+      std::vector<uint64_t> identity(g.num_pages);
+      std::iota(identity.begin(), identity.end(), 0);
+      auto loaded = session_->LoadBlocks(out_tensor, name, 0, pages, identity);
+      ASSERT_TRUE(loaded.ok()) << loaded.status();
+      EXPECT_EQ(out.Download(), testing::ReadBytes(g.file("transcode." + l + "_to_v4.bin")));
+      // And as stored, into the first tensor's blocks (reversed again).
+      ASSERT_TRUE(session_->LoadBlocks(tensor, name, 0, pages, blocks).ok());
+      auto back = records.Download();
+      for (int64_t p = 0; p < g.num_pages; ++p) {
+        EXPECT_TRUE(std::equal(golden.begin() + p * pb, golden.begin() + (p + 1) * pb,
+                               back.begin() + (g.num_pages - 1 - p) * pb));
+      }
+    }
+  }
+}
+
+TEST_F(IpcTest, AsynchronousSaveCompletesThroughItsWord) {
+  const int ps = 64, n = 4096;
+  const auto rows = testing::RandomRows(n, 7);
+  Device cache(n * 1024);
+  cache.Upload(rows.data(), n * 1024);
+  const uint64_t tensor = RegisterBf16(cache, n / ps, ps, 1024, ps * 1024);
+  const auto pages = NewPool("async", Layout::kV41Fp4, ps, n / ps);
+  std::vector<BlockSlot> from;
+  std::vector<TokenLocation> to;
+  for (int i = 0; i < n; ++i) {
+    from.push_back({static_cast<uint64_t>(i / ps), static_cast<uint32_t>(i % ps)});
+    to.push_back({pages[i / ps], static_cast<uint32_t>(i % ps)});
+  }
+  auto pending = session_->SaveAsync(tensor, "async", 0, from, to);
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  ASSERT_TRUE(pending->Wait(absl::Seconds(30)).ok());
+  // Expected: the CPU reference of the same rows.
+  const PoolGeometry g{Layout::kV41Fp4, ps, n / ps};
+  std::vector<uint8_t> ref(g.pool_bytes(), 0);
+  std::vector<int64_t> locs(n);
+  std::iota(locs.begin(), locs.end(), 0);
+  ASSERT_TRUE(reference::QuantizeStore(g, rows, locs, ref).ok());
+  EXPECT_EQ(*client_->ReadPages("async", pages), ref);
+  // Many in flight at once, each with its own word.
+  std::vector<Session::Pending> all;
+  for (int k = 0; k < 16; ++k) {
+    auto p = session_->LoadAsync(tensor, "async", 0,
+                                 std::span<const TokenLocation>(to).subspan(k * 256, 256),
+                                 std::span<const BlockSlot>(from).subspan(k * 256, 256));
+    ASSERT_TRUE(p.ok());
+    all.push_back(*p);
+  }
+  for (auto& p : all) EXPECT_TRUE(p.Wait().ok());
+}
+
+TEST_F(IpcTest, InvalidSavesAndLoadsChangeNothing) {
+  const int ps = 16;
+  auto rows = testing::RandomRows(64, 3);
+  Device cache(64 * 1024);
+  cache.Upload(rows.data(), rows.size() * 2);
+  const uint64_t tensor = RegisterBf16(cache, 4, ps, 1024, ps * 1024);
+  const auto pages = NewPool("bad", Layout::kV4, ps, 4);
+  // Pages 0 and 1 hold known rows; 2 and 3 are fresh.
+  std::vector<BlockSlot> from;
+  std::vector<TokenLocation> to;
+  for (int i = 0; i < 32; ++i) {
+    from.push_back({static_cast<uint64_t>(i / ps), static_cast<uint32_t>(i % ps)});
+    to.push_back({pages[i / ps], static_cast<uint32_t>(i % ps)});
+  }
+  ASSERT_TRUE(session_->Save(tensor, "bad", 0, from, to).ok());
+  const auto before = *client_->ReadPages("bad", pages);
+  auto expect = [&](absl::Status s, const char* reason) {
+    EXPECT_FALSE(s.ok());
+    EXPECT_EQ(client::ErrorReason(s), reason) << s;
+    EXPECT_EQ(*client_->ReadPages("bad", pages), before) << reason;
+  };
+  // Block out of range.
+  expect(session_->Save(tensor, "bad", 0, std::vector<BlockSlot>{{9, 0}},
+                        std::vector<TokenLocation>{{pages[2], 0}}).status(), "BLOCK_OUT_OF_RANGE");
+  // NaN rows: into fresh pages (re-zeroed) and over written ones (restored).
+  const uint16_t nan = 0x7FC0;
+  cudaMemcpy(static_cast<uint8_t*>(cache.ptr) + 40 * 1024 + 200, &nan, 2, cudaMemcpyHostToDevice);
+  std::vector<BlockSlot> nan_from;
+  std::vector<TokenLocation> nan_to;
+  for (int i = 32; i < 48; ++i) {  // rows 32..47 (40 has the NaN) into pages 2 and 0
+    nan_from.push_back({static_cast<uint64_t>(i / ps), static_cast<uint32_t>(i % ps)});
+    nan_to.push_back({pages[i % 2 == 0 ? 2 : 0], static_cast<uint32_t>(i % ps)});
+  }
+  expect(session_->Save(tensor, "bad", 0, nan_from, nan_to).status(), "NON_FINITE_VALUE");
+  auto pending = session_->SaveAsync(tensor, "bad", 0, nan_from, nan_to);
+  ASSERT_TRUE(pending.ok());
+  EXPECT_FALSE(pending->Wait().ok());
+  EXPECT_EQ(*client_->ReadPages("bad", pages), before);
+  // A stale handle.
+  ASSERT_TRUE(client_->FreePages("bad", std::vector<PageHandle>{pages[3]}).ok());
+  const auto kept = std::vector<PageHandle>(pages.begin(), pages.begin() + 3);
+  const auto kept_before = *client_->ReadPages("bad", kept);
+  absl::Status s = session_->Save(tensor, "bad", 0, std::vector<BlockSlot>{{0, 0}},
+                                  std::vector<TokenLocation>{{pages[3], 0}}).status();
+  EXPECT_EQ(client::ErrorReason(s), "STALE_PAGE_HANDLE");
+  // Token form on a records tensor; records of another layout.
+  Device rec(4 * PageBytes(Layout::kV41, ps));
+  const uint64_t rec_tensor = RegisterRecords(rec, 4, ps, Layout::kV41);
+  s = session_->Save(rec_tensor, "bad", 0, std::vector<BlockSlot>{{0, 0}},
+                     std::vector<TokenLocation>{{pages[0], 0}}).status();
+  EXPECT_EQ(client::ErrorReason(s), "KIND_MISMATCH");
+  s = session_->SaveBlocks(rec_tensor, "bad", 0, std::vector<uint64_t>{0}, std::vector<PageHandle>{pages[0]}).status();
+  EXPECT_EQ(client::ErrorReason(s), "LAYOUT_MISMATCH");
+  // A tensor that would end past its allocation.
+  KvTensor big{.num_blocks = 1000, .block_tokens = ps, .block_stride = ps * 1024, .token_stride = 1024};
+  ASSERT_TRUE(client::DescribeDevicePointer(cache.ptr, big).ok());
+  EXPECT_EQ(client::ErrorReason(session_->RegisterKv(big).status()), "TENSOR_OUT_OF_BOUNDS");
+  EXPECT_EQ(*client_->ReadPages("bad", kept), kept_before);
+  EXPECT_TRUE(client_->Health().ok());
+}
+
+TEST_F(IpcTest, AnExportedPoolReadsInPlaceAndIsRevokedWhenDeleted) {
+  const int ps = 64;
+  const auto rows = testing::RandomRows(ps, 4);
+  Device cache(ps * 1024);
+  cache.Upload(rows.data(), ps * 1024);
+  const uint64_t tensor = RegisterBf16(cache, 1, ps, 1024, ps * 1024);
+  const auto pages = NewPool("exp", Layout::kV41, ps, 4);
+  std::vector<BlockSlot> from;
+  std::vector<TokenLocation> to;
+  for (int i = 0; i < ps; ++i) {
+    from.push_back({0, static_cast<uint32_t>(i)});
+    to.push_back({pages[2], static_cast<uint32_t>(i)});
+  }
+  ASSERT_TRUE(session_->Save(tensor, "exp", 0, from, to).ok());
+  auto mapping = session_->MapPool("exp");
+  ASSERT_TRUE(mapping.ok()) << mapping.status();
+  auto ptr = client::OpenPoolMapping(*mapping);
+  ASSERT_TRUE(ptr.ok()) << ptr.status();
+  std::vector<uint8_t> page(mapping->page_bytes);
+  ASSERT_EQ(cudaMemcpy(page.data(), *ptr + pages[2].page_id * mapping->page_bytes, page.size(),
+                       cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(page, *client_->ReadPages("exp", std::vector<PageHandle>{pages[2]}));
+  ASSERT_TRUE(client_->DeletePool("exp").ok());
+  for (int i = 0; i < 100 && session_->Revoked().empty(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(session_->Revoked(), std::vector<uint64_t>{mapping->export_id});
+  EXPECT_TRUE(client::ClosePoolMapping(*mapping, *ptr).ok());
+  EXPECT_TRUE(session_->UnmapPool(mapping->export_id).ok());
+}
+
+TEST_F(IpcTest, AWorkerKilledMidSessionReleasesEverything) {
+  ASSERT_TRUE(client_->CreatePool({"kill", client::Layout::kV4, 64, 32, 1, "cuda:0"}).ok());
+  const std::string command = std::string(KVFERRY_SESSION_WORKER) + " " + options_.target + " 8 kill gpu 64";
+  FILE* worker = popen(("exec " + command).c_str(), "r");
+  char line[64] = {};
+  ASSERT_NE(fgets(line, sizeof(line), worker), nullptr);
+  ASSERT_EQ(std::string(line), "ready\n");
+  EXPECT_EQ(client_->DescribePool("kill")->pages_used, 8u);
+  FILE* pgrep = popen(("pgrep -f '" + command + "'").c_str(), "r");
+  int pid = 0;
+  ASSERT_EQ(fscanf(pgrep, "%d", &pid), 1);
+  pclose(pgrep);
+  ASSERT_EQ(kill(pid, SIGKILL), 0);
+  pclose(worker);
+  uint64_t used = 8;
+  for (int i = 0; i < 200 && used != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    used = client_->DescribePool("kill")->pages_used;
+  }
+  EXPECT_EQ(used, 0u);
+  httplib::Client http("127.0.0.1", daemon_->metrics_port());
+  auto metrics = http.Get("/metrics");
+  ASSERT_TRUE(metrics);
+  EXPECT_NE(metrics->body.find("kvferry_sessions 1"), std::string::npos);  // this test's own
+  EXPECT_NE(metrics->body.find("kvferry_session_pool_exports 0"), std::string::npos);
+  // The daemon still serves, pool and session alike.
+  const auto rows = testing::RandomRows(64, 9);
+  Device cache(64 * 1024);
+  cache.Upload(rows.data(), rows.size() * 2);
+  const uint64_t tensor = RegisterBf16(cache, 1, 64, 1024, 64 * 1024);
+  auto pages = session_->AllocatePages("kill", 1);
+  ASSERT_TRUE(pages.ok());
+  std::vector<BlockSlot> from;
+  std::vector<TokenLocation> to;
+  for (uint32_t i = 0; i < 64; ++i) {
+    from.push_back({0, i});
+    to.push_back({(*pages)[0], i});
+  }
+  EXPECT_TRUE(session_->Save(tensor, "kill", 0, from, to).ok());
+}
+
+}  // namespace
+}  // namespace kvferry
