@@ -349,9 +349,11 @@ class Client:
         fields = {name: _number(pb.PageChunk, name) for name in ("offset", "data", "xxh64")}
         page_bytes_field = _number(pb.PageChunk, "page_bytes")
 
-        def size_from_first(values):  # the whole size, when the layers are known
-            if out is None and layers is not None:
-                assembler.reserve(len(pages) * len(layers) * values.get(page_bytes_field, 0))
+        def size_from_first(values):
+            # The whole size when the layers are known; else at least one layer's.
+            if out is None:
+                assembler.reserve(len(pages) * len(layers or [0]) *
+                                  values.get(page_bytes_field, 0))
 
         self._drain(self._read_pages(request, timeout=self._deadline(timeout)),
                     assembler, fields, size_from_first)

@@ -49,16 +49,17 @@ def bytes_field(number: int, data: bytes) -> bytes:
 
 
 def _varints(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Varints of uint64 `values` [n]: bytes [n, 10] (left-aligned) and lengths [n]."""
+    """Varints of uint64 `values` [n]: bytes [n, w] (left-aligned; w is the longest
+    encoding, so typically 1-3 columns) and lengths [n]."""
     values = values.astype(np.uint64, copy=False)
-    shifts = np.arange(0, 70, 7, dtype=np.uint64)
+    top = int(values.max()) if values.size else 0
+    width = max(1, (top.bit_length() + 6) // 7)
+    lengths = np.ones(values.shape, dtype=np.int64)
+    for k in range(1, width):
+        lengths += values >= np.uint64(1 << (7 * k))
+    shifts = np.arange(0, 7 * width, 7, dtype=np.uint64)
     groups = ((values[:, None] >> shifts) & np.uint64(0x7F)).astype(np.uint8)
-    # Number of 7-bit groups up to the highest non-zero one (at least one).
-    nonzero = groups != 0
-    last = 9 - np.argmax(nonzero[:, ::-1], axis=1)
-    lengths = np.where(nonzero.any(axis=1), last + 1, 1)
-    more = np.arange(10)[None, :] < (lengths[:, None] - 1)
-    groups |= (more * 0x80).astype(np.uint8)
+    groups[np.arange(width)[None, :] < (lengths[:, None] - 1)] |= 0x80
     return groups, lengths
 
 
@@ -84,13 +85,15 @@ def token_locations(number: int, page_ids: np.ndarray, generations: np.ndarray,
     def column(values: np.ndarray) -> np.ndarray:
         return values.astype(np.uint8).reshape(n, 1)
 
+    def used(lengths: np.ndarray, columns: np.ndarray) -> np.ndarray:
+        return np.arange(columns.shape[1])[None, :] < lengths[:, None]
+
     ones = np.ones((n, 1), dtype=bool)
-    width = np.arange(10)[None, :]
     parts = [const(number << 3 | _LEN), column(location_len), const(1 << 3 | _LEN),
              column(handle_len), const(1 << 3 | _VARINT), pid, const(2 << 3 | _VARINT), gen,
              const(2 << 3 | _VARINT), slot]
-    keep = [ones, ones, ones, ones, ones, width < pid_len[:, None], ones,
-            width < gen_len[:, None], ones, width < slot_len[:, None]]
+    keep = [ones, ones, ones, ones, ones, used(pid_len, pid), ones, used(gen_len, gen), ones,
+            used(slot_len, slot)]
     # Row-major boolean selection keeps each location's bytes together and in order.
     return np.concatenate(parts, axis=1)[np.concatenate(keep, axis=1)].tobytes()
 
