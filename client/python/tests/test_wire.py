@@ -73,3 +73,22 @@ def test_assembler_refuses_bad_checksums_and_gaps():
     unverified = _Assembler(verify=False)
     unverified.append(0, data, 12345)
     assert unverified.size == 100
+
+
+def test_without_xxhash_reads_go_unverified_and_say_so(monkeypatch):
+    monkeypatch.setattr(kvferry._client, "_xxhash", None)
+    with pytest.warns(RuntimeWarning, match="not verified"):
+        client = kvferry.Client("127.0.0.1:1")
+    assert client.verify_checksums is False
+    with pytest.raises(kvferry.Error) as info:
+        kvferry.Client("127.0.0.1:1", verify_checksums=True)
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_error_pickles():
+    import pickle
+
+    error = kvferry.Error(grpc.StatusCode.NOT_FOUND, "no pool named 'x'", "POOL_NOT_FOUND")
+    back = pickle.loads(pickle.dumps(error))
+    assert (back.code, back.message, back.reason, str(back)) == (
+        error.code, error.message, error.reason, str(error))

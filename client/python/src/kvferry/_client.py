@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+import warnings
 
 import grpc
 import numpy as np
@@ -22,7 +23,7 @@ except ImportError:  # pragma: no cover - depends on the machine
 
 # Python names of the proto's Layout values: Layout.V4, Layout.V41, Layout.V41_FP4.
 Layout = enum.IntEnum("Layout", {name.removeprefix("LAYOUT_"): value
-                                 for name, value in pb.Layout.items()})
+                                 for name, value in pb.Layout.items()}, module="kvferry")
 Layout.__doc__ = "The record formats (kvferry.v1.Layout without its LAYOUT_ prefix)."
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["KvFerry"]
@@ -36,8 +37,8 @@ def _number(message, field: str) -> int:
     return message.DESCRIPTOR.fields_by_name[field].number
 
 
-# Per-location bytes of a WriteTokens message besides its row (the encoded
-# TokenLocation is at most 30), so a message of `chunk_bytes` stays under the budget.
+# Bytes of one encoded TokenLocation at most (tags, lengths and three varints), so a
+# WriteTokens message of chunk_bytes // (1024 + this) rows stays within chunk_bytes.
 _LOCATION_BYTES_MAX = 32
 
 
@@ -117,12 +118,12 @@ class Client:
     Args:
       target: the daemon's gRPC address, "host:port".
       timeout: default deadline of every call, in seconds (None: no deadline).
-      chunk_bytes: the size of the messages writes are split into (rows, page bytes),
-        and the size reads ask the daemon for (0 there: the daemon's default). Keep it
-        below the daemon's --max_message_bytes (4 MiB by default).
+      chunk_bytes: the most bytes of one write message (rows or page bytes), and the
+        chunk size reads ask the daemon for (it clamps that to its own limits). At least
+        1056 (one row); keep it below the daemon's --max_message_bytes (4 MiB default).
       verify_checksums: check every read chunk's XXH64 (seed 0). None: when the xxhash
-        module is installed; True: always (Error FAILED_PRECONDITION now if it is not);
-        False: never.
+        module is installed (else a RuntimeWarning says chunks go unverified); True:
+        always (Error FAILED_PRECONDITION here if xxhash is missing); False: never.
       max_message_bytes: the largest message this channel sends or receives.
       channel: use this channel instead of making one for `target` (the Client then does
         not close it).
@@ -134,6 +135,9 @@ class Client:
         if verify_checksums and _xxhash is None:
             raise Error(grpc.StatusCode.FAILED_PRECONDITION,
                         "verify_checksums=True needs the xxhash module (python3-xxhash)")
+        if verify_checksums is None and _xxhash is None:
+            warnings.warn("kvferry: the xxhash module is missing, so read chunks' XXH64 are "
+                          "not verified (install python3-xxhash)", RuntimeWarning, stacklevel=2)
         if chunk_bytes < ROW_BYTES + _LOCATION_BYTES_MAX:
             raise invalid_argument(f"chunk_bytes must be at least {ROW_BYTES + _LOCATION_BYTES_MAX}")
         self.timeout = timeout

@@ -29,6 +29,9 @@ class Error(Exception):
         self.message = message
         self.reason = reason
 
+    def __reduce__(self):  # so an Error survives pickling (multiprocessing, futures)
+        return Error, (self.code, self.message, self.reason)
+
 
 def invalid_argument(message: str) -> Error:
     """An Error for arguments the client refuses before sending anything."""
