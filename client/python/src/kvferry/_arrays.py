@@ -33,9 +33,18 @@ def rows_bf16(rows, what: str = "rows") -> np.ndarray:
     """`rows` as a C-contiguous uint16 array [n, 512] of bf16 bits.
 
     Takes uint16 (or int16) numpy arrays and torch CPU tensors (bfloat16, int16), shaped
-    [n, 512] or flat [n * 512]; copies only when the input is not contiguous.
+    [n, 512] or flat [n * 512], and bytes-like little-endian bf16 (n * 1024 bytes); copies
+    only when the input is not contiguous.
     """
-    array = _torch_numpy(rows, what) if is_torch_tensor(rows) else np.asarray(rows)
+    if is_torch_tensor(rows):
+        array = _torch_numpy(rows, what)
+    elif isinstance(rows, (bytes, bytearray, memoryview)):
+        data = byte_view(rows, what)
+        if data.size % 2:
+            raise invalid_argument(f"{what} holds {data.size} bytes, not whole bf16 values")
+        array = data.view(np.uint16)
+    else:
+        array = np.asarray(rows)
     if array.dtype == np.int16:
         array = array.view(np.uint16)
     if array.dtype != np.uint16:
