@@ -46,7 +46,11 @@ class Fake(pb_grpc.KvFerryServicer):
             fail(context, grpc.StatusCode.FAILED_PRECONDITION, "stale page handle",
                  "STALE_PAGE_HANDLE")
         elif request.pool == "bad-checksum":
-            yield chunk(0, b"a" * 10, checksum=1)
+            try:
+                yield chunk(0, b"a" * 10, checksum=1)
+            except GeneratorExit:  # grpc closes the stream once the client cancelled it
+                Fake.cancelled.set()
+                raise
             end = time.monotonic() + 5
             while context.is_active() and time.monotonic() < end:  # the client hangs up
                 time.sleep(0.01)
