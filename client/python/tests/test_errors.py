@@ -140,6 +140,8 @@ def test_client_refuses_bad_arguments_before_calling(client, pool):
     raises(grpc.StatusCode.INVALID_ARGUMENT, client.read_workspace, "p", 1, [loc(pages, 2, 0)],
            pages, out=np.zeros((1, 512), dtype=np.uint16)[:, ::2])
     raises(grpc.StatusCode.INVALID_ARGUMENT, kvferry.Pages, 16, [1, 1], [1, 2])
+    raises(grpc.StatusCode.INVALID_ARGUMENT, client.allocate_pages, "p", -1)
+    raises(grpc.StatusCode.INVALID_ARGUMENT, client.create_pool, "q", kvferry.Layout.V4, -16, 1)
     assert unchanged()
 
 

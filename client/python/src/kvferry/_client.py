@@ -178,8 +178,10 @@ class Client:
                     num_layers: int = 1, device: str = "", *, timeout=None) -> pb.Pool:
         """Creates a zero-filled pool and returns its description (kvferry.v1.Pool).
         device: "cpu" or "cuda:N"; "" is the daemon's default device."""
-        request = pb.CreatePoolRequest(name=name, layout=int(layout), page_size=page_size,
-                                       num_pages=num_pages, num_layers=num_layers, device=device)
+        request = pb.CreatePoolRequest(
+            name=name, layout=_uint(layout, "layout"), page_size=_uint(page_size, "page_size"),
+            num_pages=_uint(num_pages, "num_pages"), num_layers=_uint(num_layers, "num_layers"),
+            device=device)
         with translated():
             return self.stub.CreatePool(request, timeout=self._deadline(timeout))
 
@@ -208,8 +210,9 @@ class Client:
         with translated():
             page_size = self.stub.DescribePool(pb.DescribePoolRequest(name=pool),
                                                timeout=deadline.left()).page_size
-            response = self.stub.AllocatePages(pb.AllocatePagesRequest(pool=pool, count=count),
-                                               timeout=deadline.left())
+            response = self.stub.AllocatePages(
+                pb.AllocatePagesRequest(pool=pool, count=_uint(count, "count")),
+                timeout=deadline.left())
         return Pages(page_size, [h.page_id for h in response.pages],
                      [h.generation for h in response.pages])
 
@@ -232,7 +235,10 @@ class Client:
 
         The rows are sent in messages of about chunk_bytes, copied once (into each
         message). The daemon stores them only when every message was valid, so a failed
-        write (an Error) changes nothing. Returns the daemon's WriteResponse.
+        write (an Error) changes nothing; the one exception is a DEADLINE_EXCEEDED or
+        UNAVAILABLE that strikes after the daemon stored the rows but before its answer
+        arrived, so after those, write again (rewriting the same rows is harmless).
+        Returns the daemon's WriteResponse.
         """
         layer = _uint(layer, "layer")
         rows = rows_bf16(rows)
@@ -271,7 +277,7 @@ class Client:
         `data` (bytes-like, numpy or torch CPU) is, for each page in order, for each of
         `layers` in order, one page of page_bytes: exactly what read_pages returns.
         layers=None means every layer, and costs one DescribePool call first. `layout`
-        must be the pool's (else FAILED_PRECONDITION). Atomic like write_tokens.
+        must be the pool's (else FAILED_PRECONDITION). All or nothing, as write_tokens.
         """
         flat = byte_view(data, "data")
         deadline = _Deadline(self._deadline(timeout))
