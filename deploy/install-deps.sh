@@ -11,6 +11,8 @@ packages=(
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   libcpp-httplib-dev libxxhash-dev nlohmann-json3-dev
   prometheus curl python3
+  python3-grpcio python3-protobuf python3-numpy python3-pytest python3-xxhash
+  python3-pip python3-venv python3-setuptools python3-wheel
 )
 
 missing=()

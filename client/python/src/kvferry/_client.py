@@ -1,0 +1,398 @@
+"""kvferry.Client: every kvferryd operation, taking and returning numpy arrays."""
+
+from __future__ import annotations
+
+import enum
+import time
+import warnings
+
+import grpc
+import numpy as np
+
+from kvferry import _wire
+from kvferry._arrays import ROW_BYTES, byte_view, rows_bf16, writable_bytes
+from kvferry._errors import Error, invalid_argument, translated
+from kvferry._pages import Pages
+from kvferry.v1 import kvferry_pb2 as pb
+from kvferry.v1 import kvferry_pb2_grpc as pb_grpc
+
+try:  # Debian: python3-xxhash
+    import xxhash as _xxhash
+except ImportError:  # pragma: no cover - depends on the machine
+    _xxhash = None
+
+# Python names of the proto's Layout values: Layout.V4, Layout.V41, Layout.V41_FP4.
+Layout = enum.IntEnum("Layout", {name.removeprefix("LAYOUT_"): value
+                                 for name, value in pb.Layout.items()}, module="kvferry")
+Layout.__doc__ = "The record formats (kvferry.v1.Layout without its LAYOUT_ prefix)."
+
+_SERVICE = pb.DESCRIPTOR.services_by_name["KvFerry"]
+
+
+def _method(name: str) -> str:
+    return f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name[name].name}"
+
+
+def _number(message, field: str) -> int:
+    return message.DESCRIPTOR.fields_by_name[field].number
+
+
+# Bytes of one encoded TokenLocation at most (tags, lengths and three varints), so a
+# WriteTokens message of chunk_bytes // (1024 + this) rows stays within chunk_bytes.
+_LOCATION_BYTES_MAX = 32
+
+
+class _Deadline:
+    """One deadline over several calls: each gets the seconds the previous ones left."""
+
+    def __init__(self, timeout: float | None):
+        self._end = None if timeout is None else time.monotonic() + timeout
+
+    def left(self) -> float | None:
+        return None if self._end is None else max(self._end - time.monotonic(), 0.0)
+
+
+def _uint(value, what: str) -> int:
+    """`value` as a non-negative int, else Error(INVALID_ARGUMENT)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise invalid_argument(f"{what} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def _handles(pages: Pages) -> list:
+    return [pb.PageHandle(page_id=int(i), generation=int(g))
+            for i, g in zip(pages.ids.tolist(), pages.generations.tolist())]
+
+
+class _Assembler:
+    """Reassembles a chunked response into one buffer, in order, verifying each chunk.
+
+    Writes into `out` when given (never past its size); otherwise into a numpy buffer of
+    `capacity` bytes, grown geometrically if the response is longer (so the total copy
+    work stays linear). Every problem is an Error(DATA_LOSS) (INVALID_ARGUMENT for a
+    caller's `out` that is too small).
+    """
+
+    def __init__(self, verify: bool, capacity: int = 0, out=None):
+        self._verify = verify
+        self._fixed = out is not None
+        self._buffer = (np.empty(capacity, dtype=np.uint8) if out is None
+                        else writable_bytes(out))
+        self.size = 0
+
+    def reserve(self, total: int) -> None:
+        if total > self._buffer.size:
+            if self._fixed:
+                raise invalid_argument(f"out holds {self._buffer.size} bytes; the response "
+                                       f"needs {total}")
+            grown = np.empty(max(total, 2 * self._buffer.size), dtype=np.uint8)
+            grown[:self.size] = self._buffer[:self.size]
+            self._buffer = grown
+
+    def append(self, offset: int, data: memoryview, checksum: int | None) -> None:
+        if offset != self.size:
+            raise Error(grpc.StatusCode.DATA_LOSS,
+                        f"response chunk at offset {offset}, expected {self.size}")
+        if self._verify and _xxhash.xxh64_intdigest(data) != checksum:
+            raise Error(grpc.StatusCode.DATA_LOSS,
+                        f"XXH64 mismatch in the response chunk at offset {offset}")
+        end = self.size + len(data)
+        self.reserve(end)
+        self._buffer[self.size:end] = np.frombuffer(data, dtype=np.uint8)
+        self.size = end
+
+    def result(self) -> np.ndarray:
+        return self._buffer[:self.size]
+
+
+class Client:
+    """A connection to one kvferryd.
+
+    Every method takes `timeout=` (seconds; the whole call, streams included, must finish
+    within it; None: the Client's default) and raises kvferry.Error on failure, with the
+    daemon's status code, message and reason. Rows are bf16 bits: uint16 numpy arrays
+    [n, 512] or torch CPU bfloat16 tensors. Token locations are int64 `page_id * page_size
+    + slot` over a Pages table (from allocate_pages). A Client is thread-safe (gRPC
+    channels are); close it, or use it as a context manager, to release the channel.
+
+    Args:
+      target: the daemon's gRPC address, "host:port".
+      timeout: default deadline of every call, in seconds (None: no deadline).
+      chunk_bytes: the most bytes of one write message (rows or page bytes), and the
+        chunk size reads ask the daemon for (it clamps that to its own limits). At least
+        1056 (one row); keep it below the daemon's --max_message_bytes (4 MiB default).
+      verify_checksums: check every read chunk's XXH64 (seed 0). None: when the xxhash
+        module is installed (else a RuntimeWarning says chunks go unverified); True:
+        always (Error FAILED_PRECONDITION here if xxhash is missing); False: never.
+      max_message_bytes: the largest message this channel sends or receives.
+      channel: use this channel instead of making one for `target` (the Client then does
+        not close it).
+    """
+
+    def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = 30.0,
+                 chunk_bytes: int = 1 << 20, verify_checksums: bool | None = None,
+                 max_message_bytes: int = 64 << 20, channel: grpc.Channel | None = None):
+        if verify_checksums and _xxhash is None:
+            raise Error(grpc.StatusCode.FAILED_PRECONDITION,
+                        "verify_checksums=True needs the xxhash module (python3-xxhash)")
+        if verify_checksums is None and _xxhash is None:
+            warnings.warn("kvferry: the xxhash module is missing, so read chunks' XXH64 are "
+                          "not verified (install python3-xxhash)", RuntimeWarning, stacklevel=2)
+        if chunk_bytes < ROW_BYTES + _LOCATION_BYTES_MAX:
+            raise invalid_argument(f"chunk_bytes must be at least {ROW_BYTES + _LOCATION_BYTES_MAX}")
+        self.timeout = timeout
+        self.chunk_bytes = int(chunk_bytes)
+        self.verify_checksums = _xxhash is not None if verify_checksums is None else verify_checksums
+        self._owns_channel = channel is None
+        self._channel = channel or grpc.insecure_channel(target, options=[
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes)])
+        # The generated stub, for anything the methods below do not wrap.
+        self.stub = pb_grpc.KvFerryStub(self._channel)
+        # The bulk RPCs move raw bytes, (de)serialized by _wire.
+        self._write_tokens = self._channel.stream_unary(
+            _method("WriteTokens"), response_deserializer=pb.WriteResponse.FromString)
+        self._write_pages = self._channel.stream_unary(
+            _method("WritePages"), response_deserializer=pb.WriteResponse.FromString)
+        self._read_pages = self._channel.unary_stream(
+            _method("ReadPages"), request_serializer=pb.ReadPagesRequest.SerializeToString)
+        self._read_workspace = self._channel.unary_stream(_method("ReadWorkspace"))
+
+    def close(self) -> None:
+        """Closes the channel (unless it was given); calls in flight are cancelled."""
+        if self._owns_channel:
+            self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _deadline(self, timeout):
+        return self.timeout if timeout is None else timeout
+
+    # ---- control ------------------------------------------------------------------------
+
+    def create_pool(self, name: str, layout: Layout | int, page_size: int, num_pages: int,
+                    num_layers: int = 1, device: str = "", *, timeout=None) -> pb.Pool:
+        """Creates a zero-filled pool and returns its description (kvferry.v1.Pool).
+        device: "cpu" or "cuda:N"; "" is the daemon's default device."""
+        request = pb.CreatePoolRequest(
+            name=name, layout=_uint(layout, "layout"), page_size=_uint(page_size, "page_size"),
+            num_pages=_uint(num_pages, "num_pages"), num_layers=_uint(num_layers, "num_layers"),
+            device=device)
+        with translated():
+            return self.stub.CreatePool(request, timeout=self._deadline(timeout))
+
+    def describe_pool(self, name: str, *, timeout=None) -> pb.Pool:
+        with translated():
+            return self.stub.DescribePool(pb.DescribePoolRequest(name=name),
+                                          timeout=self._deadline(timeout))
+
+    def list_pools(self, *, timeout=None) -> list:
+        """Every pool, as kvferry.v1.Pool messages."""
+        with translated():
+            return list(self.stub.ListPools(pb.ListPoolsRequest(),
+                                            timeout=self._deadline(timeout)).pools)
+
+    def delete_pool(self, name: str, *, timeout=None) -> None:
+        """Frees the pool's memory; its page handles become NOT_FOUND."""
+        with translated():
+            self.stub.DeletePool(pb.DeletePoolRequest(name=name), timeout=self._deadline(timeout))
+
+    def allocate_pages(self, pool: str, count: int, *, timeout=None) -> Pages:
+        """Allocates `count` pages (all or none) and returns their handles.
+
+        Two calls: DescribePool (for the page size the handles carry), then AllocatePages,
+        under one deadline."""
+        deadline = _Deadline(self._deadline(timeout))
+        with translated():
+            page_size = self.stub.DescribePool(pb.DescribePoolRequest(name=pool),
+                                               timeout=deadline.left()).page_size
+            response = self.stub.AllocatePages(
+                pb.AllocatePagesRequest(pool=pool, count=_uint(count, "count")),
+                timeout=deadline.left())
+        return Pages(page_size, [h.page_id for h in response.pages],
+                     [h.generation for h in response.pages])
+
+    def free_pages(self, pool: str, pages: Pages, *, timeout=None) -> None:
+        """Frees pages (all or none); their handles go stale."""
+        with translated():
+            self.stub.FreePages(pb.FreePagesRequest(pool=pool, pages=_handles(pages)),
+                                timeout=self._deadline(timeout))
+
+    def get_stats(self, *, timeout=None) -> pb.Stats:
+        """Per-pool and total occupancy and byte savings (kvferry.v1.Stats)."""
+        with translated():
+            return self.stub.GetStats(pb.GetStatsRequest(), timeout=self._deadline(timeout))
+
+    # ---- writes -------------------------------------------------------------------------
+
+    def write_tokens(self, pool: str, layer: int, rows, locations, pages: Pages, *,
+                     timeout=None) -> pb.WriteResponse:
+        """Writes bf16 rows [n, 512] at int64 token locations [n] of one layer.
+
+        The rows are sent in messages of about chunk_bytes, copied once (into each
+        message). The daemon stores them only when every message was valid, so a failed
+        write (an Error) changes nothing; the one exception is a DEADLINE_EXCEEDED or
+        UNAVAILABLE that strikes after the daemon stored the rows but before its answer
+        arrived, so after those, write again (rewriting the same rows is harmless).
+        Returns the daemon's WriteResponse.
+        """
+        layer = _uint(layer, "layer")
+        rows = rows_bf16(rows)
+        page_ids, generations, slots = pages.locate(locations)
+        if len(page_ids) != rows.shape[0]:
+            raise invalid_argument(f"{rows.shape[0]} rows but {len(page_ids)} locations")
+        request = pb.WriteTokensRequest
+        header = (_wire.bytes_field(_number(request, "pool"), pool.encode()) +
+                  _wire.varint_field(_number(request, "layer"), layer))
+        locations_field = _number(request, "locations")
+        rows_field = _number(request, "rows")
+        per_message = self.chunk_bytes // (ROW_BYTES + _LOCATION_BYTES_MAX)
+        flat = rows.reshape(-1).view(np.uint8)
+
+        def messages():
+            first = 0
+            while True:
+                end = min(first + per_message, len(page_ids))
+                yield b"".join([
+                    header if first == 0 else b"",
+                    _wire.token_locations(locations_field, page_ids[first:end],
+                                          generations[first:end], slots[first:end]),
+                    _wire.bytes_header(rows_field, (end - first) * ROW_BYTES),
+                    memoryview(flat[first * ROW_BYTES:end * ROW_BYTES])])
+                first = end
+                if first >= len(page_ids):
+                    return
+
+        with translated():
+            return self._write_tokens(messages(), timeout=self._deadline(timeout))
+
+    def write_pages(self, pool: str, layout: Layout | int, pages: Pages, data, *,
+                    layers=None, timeout=None) -> pb.WriteResponse:
+        """Writes already-quantized page bytes in the pool's layout.
+
+        `data` (bytes-like, numpy or torch CPU) is, for each page in order, for each of
+        `layers` in order, one page of page_bytes: exactly what read_pages returns.
+        layers=None means every layer, and costs one DescribePool call first. `layout`
+        must be the pool's (else FAILED_PRECONDITION). All or nothing, as write_tokens.
+        """
+        flat = byte_view(data, "data")
+        deadline = _Deadline(self._deadline(timeout))
+        if layers is None:
+            with translated():
+                num_layers = self.stub.DescribePool(pb.DescribePoolRequest(name=pool),
+                                                    timeout=deadline.left()).num_layers
+            layers = range(num_layers)
+        layers = [_uint(layer, "layer") for layer in layers]
+        units = len(pages) * len(layers)
+        if units == 0 or flat.size % units:
+            raise invalid_argument(f"data holds {flat.size} bytes, not a whole page for each "
+                                   f"of {len(pages)} pages x {len(layers)} layers")
+        page_bytes = flat.size // units
+        request = pb.WritePagesRequest
+        header = (_wire.bytes_field(_number(request, "pool"), pool.encode()) +
+                  _wire.varint_field(_number(request, "layout"), int(layout)))
+        page_field, layer_field = _number(request, "page"), _number(request, "layer")
+        offset_field, data_field = _number(request, "offset"), _number(request, "data")
+        step = self.chunk_bytes
+
+        def messages():
+            start = 0
+            for page_id, generation in zip(pages.ids.tolist(), pages.generations.tolist()):
+                handle = (_wire.varint_field(1, page_id) + _wire.varint_field(2, generation))
+                for layer in layers:
+                    for offset in range(0, page_bytes, step):
+                        size = min(step, page_bytes - offset)
+                        yield b"".join([
+                            header if start == 0 else b"",
+                            _wire.bytes_field(page_field, handle),
+                            _wire.varint_field(layer_field, layer),
+                            _wire.varint_field(offset_field, offset),
+                            _wire.bytes_header(data_field, size),
+                            memoryview(flat[start:start + size])])
+                        start += size
+
+        with translated():
+            return self._write_pages(messages(), timeout=deadline.left())
+
+    # ---- reads --------------------------------------------------------------------------
+
+    def _drain(self, call, assembler: _Assembler, fields: dict, on_first=None):
+        """Reads a chunk stream into `assembler`; `fields` names the chunk's field numbers
+        for 'offset' (or 'first_row' times 1024), 'data' and 'xxh64'."""
+        first = True
+        try:
+            with translated():
+                for raw in call:
+                    values = {}
+                    try:
+                        for number, value in _wire.fields(memoryview(raw)):
+                            values[number] = value
+                    except ValueError as error:
+                        raise Error(grpc.StatusCode.DATA_LOSS, f"malformed chunk: {error}") from None
+                    if first and on_first is not None:
+                        on_first(values)
+                    first = False
+                    offset = values.get(fields["offset"], 0) * fields.get("scale", 1)
+                    data = values.get(fields["data"], memoryview(b""))
+                    assembler.append(offset, data, values.get(fields["xxh64"], 0))
+        except BaseException:
+            call.cancel()
+            raise
+
+    def read_pages(self, pool: str, pages: Pages, *, layers=None,
+                   transcode_to: Layout | int = 0, out=None, timeout=None) -> np.ndarray:
+        """Raw page bytes: for each page in order, for each layer in order (None: all
+        layers), one page in the output layout (the pool's, or `transcode_to`'s: every
+        written slot re-quantized to it). Returns a uint8 array; with `out` (a writable
+        buffer, numpy array or torch CPU tensor) the bytes land there and the returned
+        array is a view of them. Each chunk's XXH64 is verified (see verify_checksums).
+        """
+        layers = None if layers is None else [_uint(layer, "layer") for layer in layers]
+        request = pb.ReadPagesRequest(pool=pool, pages=_handles(pages), layers=layers or [],
+                                      transcode_to=int(transcode_to),
+                                      chunk_bytes=self.chunk_bytes)
+        assembler = _Assembler(self.verify_checksums, out=out)
+        fields = {name: _number(pb.PageChunk, name) for name in ("offset", "data", "xxh64")}
+        page_bytes_field = _number(pb.PageChunk, "page_bytes")
+
+        def size_from_first(values):
+            # The whole size when the layers are known; else at least one layer's.
+            if out is None:
+                assembler.reserve(len(pages) * len(layers or [0]) *
+                                  values.get(page_bytes_field, 0))
+
+        self._drain(self._read_pages(request, timeout=self._deadline(timeout)),
+                    assembler, fields, size_from_first)
+        return assembler.result()
+
+    def read_workspace(self, pool: str, layer: int, locations, pages: Pages, *, out=None,
+                       timeout=None) -> np.ndarray:
+        """Dequantized bf16 rows [n, 512] (uint16 bits) for int64 token locations [n] of
+        one layer, in request order (repeats allowed). With `out` (uint16 numpy [n, 512]
+        or a torch CPU bfloat16 tensor) the rows land there; the returned array is a
+        view of them. The request must fit the daemon's --max_message_bytes (4 MiB by
+        default: about 250k locations)."""
+        layer = _uint(layer, "layer")
+        page_ids, generations, slots = pages.locate(locations)
+        n = len(page_ids)
+        request = pb.ReadWorkspaceRequest
+        message = b"".join([
+            _wire.bytes_field(_number(request, "pool"), pool.encode()),
+            _wire.varint_field(_number(request, "layer"), layer),
+            _wire.token_locations(_number(request, "locations"), page_ids, generations, slots),
+            _wire.varint_field(_number(request, "chunk_bytes"), self.chunk_bytes)])
+        assembler = _Assembler(self.verify_checksums, capacity=n * ROW_BYTES, out=out)
+        assembler.reserve(n * ROW_BYTES)
+        fields = {"offset": _number(pb.WorkspaceChunk, "first_row"), "scale": ROW_BYTES,
+                  "data": _number(pb.WorkspaceChunk, "rows"),
+                  "xxh64": _number(pb.WorkspaceChunk, "xxh64")}
+        self._drain(self._read_workspace(message, timeout=self._deadline(timeout)),
+                    assembler, fields)
+        if assembler.size != n * ROW_BYTES:
+            raise Error(grpc.StatusCode.DATA_LOSS,
+                        f"the daemon sent {assembler.size // ROW_BYTES} rows for {n} locations")
+        return assembler.result().view(np.uint16).reshape(n, 512)
