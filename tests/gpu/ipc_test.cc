@@ -142,40 +142,49 @@ TEST_F(IpcTest, SaveAndLoadOfBf16RowsMatchTheGoldensByteForByte) {
   }
 }
 
-TEST_F(IpcTest, PagesOfRecordsSaveAndLoadAsStoredOrTranscoded) {
+TEST_F(IpcTest, PagesOfRecordsLoadAsStoredOrTranscodedAndSaveAsStored) {
   for (const testing::GoldenCase& g : testing::GoldenCases()) {
+    const auto rows = testing::ReadArray<uint16_t>(g.file("input.bf16"));
+    const auto locs = testing::ReadArray<int64_t>(g.file("locs.i64"));
     for (Layout layout : testing::AllLayouts()) {
       const std::string l = LayoutName(layout), name = g.name + ".r." + l;
       SCOPED_TRACE(name);
-      const auto golden = testing::ReadBytes(g.file("pool." + l + ".bin"));
-      const int64_t pb = PageBytes(layout, g.page_size);
-      // The golden pages in a records tensor, block i = page num_pages - 1 - i.
-      Device records(golden.size());
-      for (int64_t p = 0; p < g.num_pages; ++p) records.Upload(golden.data() + p * pb, pb, (g.num_pages - 1 - p) * pb);
-      const uint64_t tensor = RegisterRecords(records, g.num_pages, g.page_size, layout);
+      // The golden pool, written over gRPC: its written slots are exactly the golden's.
       const auto pages = NewPool(name, layout, g.page_size, g.num_pages);
-      std::vector<uint64_t> blocks(g.num_pages);
-      for (int64_t p = 0; p < g.num_pages; ++p) blocks[p] = g.num_pages - 1 - p;
-      auto saved = session_->SaveBlocks(tensor, name, 0, blocks, pages);
-      ASSERT_TRUE(saved.ok()) << saved.status();
-      EXPECT_EQ(*client_->ReadPages(name, pages), golden);
-      // Back out as V4 records (FlashMLA SM90 reads only those): the golden transcode.
+      std::vector<TokenLocation> where;
+      for (int64_t loc : locs) where.push_back({pages[loc / g.page_size], static_cast<uint32_t>(loc % g.page_size)});
+      ASSERT_TRUE(client_->WriteTokens(name, 0, where, rows).ok());
+      const auto golden = testing::ReadBytes(g.file("pool." + l + ".bin"));
+      // Out as V4 records (what FlashMLA's SM90 decode reads) into a poisoned tensor: the
+      // golden transcode, or for a V4 pool its pages as stored.
       const int64_t v4 = PageBytes(Layout::kV4, g.page_size);
       Device out(g.num_pages * v4);
-      cudaMemset(out.ptr, 0x5A, out.bytes);  // poisoned: every byte must be written
+      cudaMemset(out.ptr, 0x5A, out.bytes);
       const uint64_t out_tensor = RegisterRecords(out, g.num_pages, g.page_size, Layout::kV4);
       std::vector<uint64_t> identity(g.num_pages);
       std::iota(identity.begin(), identity.end(), 0);
       auto loaded = session_->LoadBlocks(out_tensor, name, 0, pages, identity);
       ASSERT_TRUE(loaded.ok()) << loaded.status();
-      EXPECT_EQ(out.Download(), testing::ReadBytes(g.file("transcode." + l + "_to_v4.bin")));
-      // And as stored, into the first tensor's blocks (reversed again).
-      ASSERT_TRUE(session_->LoadBlocks(tensor, name, 0, pages, blocks).ok());
-      auto back = records.Download();
+      EXPECT_EQ(out.Download(), layout == Layout::kV4
+                                    ? golden
+                                    : testing::ReadBytes(g.file("transcode." + l + "_to_v4.bin")));
+      // As stored into a tensor of the pool's layout, blocks reversed.
+      const int64_t pb = PageBytes(layout, g.page_size);
+      Device records(g.num_pages * pb);
+      const uint64_t tensor = RegisterRecords(records, g.num_pages, g.page_size, layout);
+      std::vector<uint64_t> reversed(g.num_pages);
+      for (int64_t p = 0; p < g.num_pages; ++p) reversed[p] = g.num_pages - 1 - p;
+      ASSERT_TRUE(session_->LoadBlocks(tensor, name, 0, pages, reversed).ok());
+      const auto back = records.Download();
       for (int64_t p = 0; p < g.num_pages; ++p) {
         EXPECT_TRUE(std::equal(golden.begin() + p * pb, golden.begin() + (p + 1) * pb,
-                               back.begin() + (g.num_pages - 1 - p) * pb));
+                               back.begin() + (g.num_pages - 1 - p) * pb)) << "page " << p;
       }
+      // And saved from those blocks into a second pool, page for page.
+      const auto copy = NewPool(name + ".copy", layout, g.page_size, g.num_pages);
+      auto saved = session_->SaveBlocks(tensor, name + ".copy", 0, reversed, copy);
+      ASSERT_TRUE(saved.ok()) << saved.status();
+      EXPECT_EQ(*client_->ReadPages(name + ".copy", copy), golden);
     }
   }
 }

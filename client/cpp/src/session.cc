@@ -39,9 +39,13 @@ struct Area {
 
 }  // namespace
 
+uint64_t Session::Pending::Word() const {
+  if (const uint64_t kept = outcome_->word.load(std::memory_order_acquire); kept != 0) return kept;
+  return LoadWord(word_);
+}
+
 bool Session::Pending::Done() const {
-  if (word_ == nullptr) return true;
-  const uint64_t w = LoadWord(word_);
+  const uint64_t w = Word();
   return (w >> 8) == sequence_ && ((w & 0xFF) == kDone || (w & 0xFF) == kFailed);
 }
 
@@ -51,7 +55,7 @@ absl::Status Session::Pending::Wait(absl::Duration timeout) const {
     if (absl::Now() > deadline) return absl::DeadlineExceededError("the operation did not complete");
     if (spins > 1000) std::this_thread::yield();
   }
-  if (word_ != nullptr && (LoadWord(word_) & 0xFF) == kFailed) {
+  if ((Word() & 0xFF) == kFailed) {
     return absl::InternalError("the daemon reported the operation failed; nothing was stored");
   }
   return absl::OkStatus();
@@ -73,7 +77,10 @@ struct Session::Impl {
   std::vector<uint64_t> revoked ABSL_GUARDED_BY(mu);
   std::vector<bool> busy ABSL_GUARDED_BY(mu);      // slots whose operation may still run
   std::vector<uint64_t> issued ABSL_GUARDED_BY(mu);  // sequence of each slot's operation
+  // Each slot's operation's outcome, kept when the slot is reused (its Pending may live on).
+  std::vector<std::shared_ptr<Pending::Outcome>> outcomes ABSL_GUARDED_BY(mu);
   uint64_t next_sequence ABSL_GUARDED_BY(mu) = 1;
+  uint32_t next_slot ABSL_GUARDED_BY(mu) = 0;
   bool closed = false;
 
   template <typename Request, typename Response>
@@ -85,18 +92,34 @@ struct Session::Impl {
     return FromGrpc((sessions.get()->*method)(&ctx, request, response), ctx);
   }
 
-  // A free completion slot and its next sequence.
-  absl::StatusOr<std::pair<uint32_t, uint64_t>> TakeSlot() {
+  struct Slot {
+    uint32_t index;
+    uint64_t sequence;
+    std::shared_ptr<Pending::Outcome> outcome;
+  };
+  // A slot whose request was refused: nothing will write its word.
+  void ReleaseSlot(uint32_t index) {
     absl::MutexLock lock(&mu);
-    for (uint32_t i = 0; i < slots; ++i) {
+    busy[index] = false;
+  }
+  // A free completion slot (round robin) and its next sequence.
+  absl::StatusOr<Slot> TakeSlot() {
+    absl::MutexLock lock(&mu);
+    for (uint32_t k = 0; k < slots; ++k) {
+      const uint32_t i = (next_slot + k) % slots;
       if (busy[i]) {
         const uint64_t w = LoadWord(area->words + i);
-        if ((w >> 8) == issued[i] && (w & 0xFF) >= kDone) busy[i] = false;
+        if ((w >> 8) == issued[i] && (w & 0xFF) >= kDone) {
+          outcomes[i]->word.store(w, std::memory_order_release);
+          busy[i] = false;
+        }
       }
       if (!busy[i]) {
         busy[i] = true;
         issued[i] = next_sequence++;
-        return std::make_pair(i, issued[i]);
+        outcomes[i] = std::make_shared<Pending::Outcome>();
+        next_slot = i + 1;
+        return Slot{i, issued[i], outcomes[i]};
       }
     }
     return absl::ResourceExhaustedError(
@@ -154,6 +177,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Open(const ClientOptions& opti
     absl::MutexLock lock(&impl->mu);
     impl->busy.assign(impl->slots, false);
     impl->issued.assign(impl->slots, 0);
+    impl->outcomes.resize(impl->slots);
   }
   Impl* raw = impl.get();
   impl->events = std::thread([raw] {
@@ -294,34 +318,40 @@ absl::StatusOr<uint64_t> Session::LoadBlocks(uint64_t tensor, const std::string&
 absl::StatusOr<Session::Pending> Session::SaveAsync(uint64_t tensor, const std::string& pool,
                                                     uint32_t layer, std::span<const BlockSlot> from,
                                                     std::span<const TokenLocation> to) {
-  absl::StatusOr<std::pair<uint32_t, uint64_t>> slot = impl_->TakeSlot();
+  absl::StatusOr<Impl::Slot> slot = impl_->TakeSlot();
   if (!slot.ok()) return slot.status();
   v1::SaveRequest req;
   Target(req, impl_->id, tensor, pool, layer);
   AddSlots(from, req.mutable_sources());
   AddLocations(to, req.mutable_destinations());
-  req.mutable_completion()->set_slot(slot->first);
-  req.mutable_completion()->set_sequence(slot->second);
+  req.mutable_completion()->set_slot(slot->index);
+  req.mutable_completion()->set_sequence(slot->sequence);
   v1::TransferResponse resp;
-  KVF_CLIENT_RETURN(impl_->Unary(&v1::KvSession::Stub::Save, req, &resp));
-  return Pending(impl_->area, impl_->area->words + slot->first, slot->second);
+  if (absl::Status s = impl_->Unary(&v1::KvSession::Stub::Save, req, &resp); !s.ok()) {
+    impl_->ReleaseSlot(slot->index);
+    return s;
+  }
+  return Pending(impl_->area, impl_->area->words + slot->index, slot->sequence, slot->outcome);
 }
 
 absl::StatusOr<Session::Pending> Session::LoadAsync(uint64_t tensor, const std::string& pool,
                                                     uint32_t layer,
                                                     std::span<const TokenLocation> from,
                                                     std::span<const BlockSlot> to) {
-  absl::StatusOr<std::pair<uint32_t, uint64_t>> slot = impl_->TakeSlot();
+  absl::StatusOr<Impl::Slot> slot = impl_->TakeSlot();
   if (!slot.ok()) return slot.status();
   v1::LoadRequest req;
   Target(req, impl_->id, tensor, pool, layer);
   AddLocations(from, req.mutable_sources());
   AddSlots(to, req.mutable_destinations());
-  req.mutable_completion()->set_slot(slot->first);
-  req.mutable_completion()->set_sequence(slot->second);
+  req.mutable_completion()->set_slot(slot->index);
+  req.mutable_completion()->set_sequence(slot->sequence);
   v1::TransferResponse resp;
-  KVF_CLIENT_RETURN(impl_->Unary(&v1::KvSession::Stub::Load, req, &resp));
-  return Pending(impl_->area, impl_->area->words + slot->first, slot->second);
+  if (absl::Status s = impl_->Unary(&v1::KvSession::Stub::Load, req, &resp); !s.ok()) {
+    impl_->ReleaseSlot(slot->index);
+    return s;
+  }
+  return Pending(impl_->area, impl_->area->words + slot->index, slot->sequence, slot->outcome);
 }
 
 absl::StatusOr<PoolMapping> Session::MapPool(const std::string& pool) {

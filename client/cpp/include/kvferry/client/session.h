@@ -60,13 +60,22 @@ class Session {
     // Waits (polling) until done or `timeout`; OK when it succeeded.
     absl::Status Wait(absl::Duration timeout = absl::Seconds(60)) const;
 
+    // The outcome of one operation once its slot was taken for another (0: not yet).
+    struct Outcome {
+      std::atomic<uint64_t> word{0};
+    };
+
    private:
     friend class Session;
-    Pending(std::shared_ptr<const void> area, const uint64_t* word, uint64_t sequence)
-        : area_(std::move(area)), word_(word), sequence_(sequence) {}
+    Pending(std::shared_ptr<const void> area, const uint64_t* word, uint64_t sequence,
+            std::shared_ptr<const Outcome> outcome)
+        : area_(std::move(area)), word_(word), sequence_(sequence), outcome_(std::move(outcome)) {}
+    // The word of this operation: the slot's, or what the slot held when it was reused.
+    uint64_t Word() const;
     std::shared_ptr<const void> area_;  // keeps the mapping alive
     const uint64_t* word_;
     uint64_t sequence_;
+    std::shared_ptr<const Outcome> outcome_;
   };
 
   // Opens a session for tensors on CUDA device `device` (as the daemon numbers it).

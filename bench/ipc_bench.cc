@@ -1,0 +1,187 @@
+// CUDA IPC sessions against the GPU's own copy rate: Save and Load of many tokens between
+// this process (the worker) and a kvferryd child process, beside a device-to-device copy
+// measured in the same run; and the latency of a 64-token Save/Load through the rpc and
+// through the completion word, next to WriteTokens/ReadWorkspace of the same tokens.
+//
+// Usage: ipc_bench --daemon PATH [--tokens N] [--reps R] [--layout v41]
+#include <cuda_runtime_api.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/random_rows.h"
+#include "kvferry/client/client.h"
+#include "kvferry/client/cuda_ipc.h"
+#include "kvferry/client/session.h"
+#include "kvferry/kernels/format.h"
+
+namespace kvferry {
+namespace {
+
+using client::BlockSlot;
+using client::TokenLocation;
+using Clock = std::chrono::steady_clock;
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+template <typename F>
+double TimeMedian(int reps, F&& f) {
+  std::vector<double> t;
+  for (int i = 0; i < reps; ++i) {
+    const auto start = Clock::now();
+    if (!f()) return -1;
+    t.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+  }
+  return Median(t);
+}
+
+int Main(int argc, char** argv) {
+  std::string daemon;
+  int64_t tokens = 1 << 20;
+  int reps = 5;
+  std::string layout_name = "v41";
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--daemon")) daemon = argv[i + 1];
+    if (!std::strcmp(argv[i], "--tokens")) tokens = std::atoll(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--layout")) layout_name = argv[i + 1];
+  }
+  Layout layout;
+  client::Layout client_layout;
+  if (daemon.empty() || !ParseLayoutName(layout_name, &layout) ||
+      !client::ParseLayout(layout_name, &client_layout)) {
+    std::fprintf(stderr, "usage: ipc_bench --daemon PATH [--tokens N] [--reps R] [--layout L]\n");
+    return 2;
+  }
+  // kvferryd on this GPU.
+  char dir[] = "/tmp/ipc-bench-XXXXXX";
+  mkdtemp(dir);
+  const std::string ports = std::string(dir) + "/ports";
+  const pid_t child = fork();
+  if (child == 0) {
+    execl(daemon.c_str(), daemon.c_str(), "--listen=127.0.0.1:0", "--metrics_listen=",
+          ("--port_file=" + ports).c_str(), "--default_device=cuda:0", "--log_level=warn",
+          "--max_message_bytes=268435456", nullptr);
+    _exit(127);
+  }
+  int port = 0;
+  for (int i = 0; i < 600 && port == 0; ++i) {
+    std::ifstream in(ports);
+    in >> port;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  struct Reap {
+    pid_t pid;
+    ~Reap() {
+      kill(pid, SIGTERM);
+      waitpid(pid, nullptr, 0);
+    }
+  } reap{child};
+  client::ClientOptions options;
+  options.target = "127.0.0.1:" + std::to_string(port);
+  options.message_bytes = 200 << 20;  // a Save of 1M tokens names 1M locations (~30 MB)
+  auto c = *client::Client::Connect(options);
+  auto session = client::Session::Open(options, "ipc-bench", 0);
+  if (!session.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(session.status().message()).c_str());
+    return 1;
+  }
+  cudaDeviceProp prop;
+  cudaGetDeviceProperties(&prop, 0);
+
+  // Ceiling: a device-to-device copy of 1 GiB (bytes read + written).
+  const size_t copy_bytes = size_t{1} << 30;
+  void *a, *b;
+  cudaMalloc(&a, copy_bytes);
+  cudaMalloc(&b, copy_bytes);
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  std::vector<double> copies;
+  for (int i = 0; i < reps + 1; ++i) {
+    cudaEventRecord(e0);
+    cudaMemcpy(b, a, copy_bytes, cudaMemcpyDeviceToDevice);
+    cudaEventRecord(e1);
+    cudaEventSynchronize(e1);
+    float ms;
+    cudaEventElapsedTime(&ms, e0, e1);
+    if (i > 0) copies.push_back(2.0 * copy_bytes / (ms * 1e-3) / 1e9);
+  }
+  cudaFree(a);
+  cudaFree(b);
+  const double ceiling = Median(copies);
+
+  const int ps = 64;
+  const int64_t pages_n = tokens / ps;
+  const auto rows = testing::RandomRows(tokens, 1);
+  void* cache;
+  cudaMalloc(&cache, tokens * 1024);
+  cudaMemcpy(cache, rows.data(), tokens * 1024, cudaMemcpyHostToDevice);
+  client::KvTensor t{.num_blocks = static_cast<uint64_t>(pages_n), .block_tokens = ps,
+                     .block_stride = ps * 1024ull, .token_stride = 1024};
+  client::DescribeDevicePointer(cache, t);
+  const uint64_t tensor = *(*session)->RegisterKv(t);
+  if (!c->CreatePool({"bench", client_layout, ps, static_cast<uint64_t>(pages_n), 1, "cuda:0"}).ok()) return 1;
+  std::vector<client::PageHandle> pages;
+  while (static_cast<int64_t>(pages.size()) < pages_n) {
+    auto more = *c->AllocatePages("bench", static_cast<uint32_t>(std::min<int64_t>(65536, pages_n - pages.size())));
+    pages.insert(pages.end(), more.begin(), more.end());
+  }
+  std::vector<BlockSlot> from(tokens);
+  std::vector<TokenLocation> to(tokens);
+  for (int64_t i = 0; i < tokens; ++i) {
+    from[i] = {static_cast<uint64_t>(i / ps), static_cast<uint32_t>(i % ps)};
+    to[i] = {pages[i / ps], static_cast<uint32_t>(i % ps)};
+  }
+  const double record = GetLayoutInfo(layout).bytes_per_token();
+  const double bytes = tokens * (1024 + record);
+  std::printf("device %s; %s pool, page size %d; %lld tokens; median of %d\n\n", prop.name,
+              layout_name.c_str(), ps, static_cast<long long>(tokens), reps);
+  std::printf("| op | time | GB/s (rows + records) | D2D copy GB/s (ceiling) | fraction |\n|---|---|---|---|---|\n");
+  const double save = TimeMedian(reps, [&] { return (*session)->Save(tensor, "bench", 0, from, to).ok(); });
+  std::printf("| Save, rpc | %.2f ms | %.0f | %.0f | %.1f %% |\n", save * 1e3, bytes / save / 1e9, ceiling,
+              100 * bytes / save / 1e9 / ceiling);
+  const double load = TimeMedian(reps, [&] { return (*session)->Load(tensor, "bench", 0, to, from).ok(); });
+  std::printf("| Load, rpc | %.2f ms | %.0f | %.0f | %.1f %% |\n\n", load * 1e3, bytes / load / 1e9, ceiling,
+              100 * bytes / load / 1e9 / ceiling);
+
+  // 64 tokens: the engine-step case.
+  const int n = 64, lat_reps = 200;
+  std::vector<BlockSlot> f64(from.begin(), from.begin() + n);
+  std::vector<TokenLocation> t64(to.begin(), to.begin() + n);
+  std::vector<uint16_t> r64(rows.begin(), rows.begin() + n * 512);
+  std::printf("| 64 tokens | median latency |\n|---|---|\n");
+  auto row = [&](const char* what, double s) { std::printf("| %s | %.1f µs |\n", what, s * 1e6); };
+  row("Save, rpc (returns when stored)", TimeMedian(lat_reps, [&] { return (*session)->Save(tensor, "bench", 0, f64, t64).ok(); }));
+  row("Save, async + completion word", TimeMedian(lat_reps, [&] {
+        auto p = (*session)->SaveAsync(tensor, "bench", 0, f64, t64);
+        return p.ok() && p->Wait().ok();
+      }));
+  row("WriteTokens over gRPC", TimeMedian(lat_reps, [&] { return c->WriteTokens("bench", 0, t64, r64).ok(); }));
+  row("Load, rpc", TimeMedian(lat_reps, [&] { return (*session)->Load(tensor, "bench", 0, t64, f64).ok(); }));
+  row("Load, async + completion word", TimeMedian(lat_reps, [&] {
+        auto p = (*session)->LoadAsync(tensor, "bench", 0, t64, f64);
+        return p.ok() && p->Wait().ok();
+      }));
+  std::vector<uint16_t> back(n * 512);
+  row("ReadWorkspace over gRPC", TimeMedian(lat_reps, [&] { return c->ReadWorkspaceInto("bench", 0, t64, back).ok(); }));
+  cudaFree(cache);
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvferry
+
+int main(int argc, char** argv) { return kvferry::Main(argc, argv); }
