@@ -297,10 +297,10 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
   KVF_RETURN_IF_ERROR(pool->CheckLayer(r.layer));
   const KvTensorSpec& spec = tensor->spec;
   const bool records = spec.kind == RowKind::kRecords;
-  if (records ? (!r.blocks.empty() || !r.locations.empty()) : (!r.tensor_blocks.empty() || !r.pages.empty())) {
+  const bool page_form = r.blocks.empty() && r.locations.empty();
+  if (records && !page_form) {
     return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kKindMismatch,
-                 records ? "a records tensor moves whole blocks: use the page form"
-                         : "a bf16 tensor moves tokens: use the token form");
+                 "a records tensor moves whole blocks: use the page form");
   }
   const PoolGeometry g = pool->geometry();
   const int page_size = g.page_size;
@@ -331,13 +331,56 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
   std::function<absl::Status(const absl::Status&)> finish;  // after the device work
 
   if (!records) {
+    // Per token: the row's element offset in the tensor's allocation, and the pool location;
+    // and the pages touched, once each.
+    std::vector<int64_t> offsets, locs;
+    std::vector<PageHandle> handles;
+    if (page_form) {
+      // Whole blocks to whole pages: block i's tokens are page i's slots.
+      if (r.tensor_blocks.size() != r.pages.size() || r.pages.empty()) {
+        return Invalid(ErrorReason::kInvalidRequest,
+                       absl::StrCat(r.tensor_blocks.size(), " blocks and ", r.pages.size(),
+                                    " pages: give one of each per page, at least one"));
+      }
+      if (static_cast<int>(spec.block_tokens) != page_size) {
+        return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kLayoutMismatch,
+                     absl::StrCat("whole blocks of ", spec.block_tokens,
+                                  " tokens cannot fill pages of ", page_size));
+      }
+      const int64_t n = static_cast<int64_t>(r.pages.size());
+      offsets.resize(n * page_size);
+      locs.resize(n * page_size);
+      absl::flat_hash_set<uint64_t> seen_pages, seen_blocks;
+      for (int64_t i = 0; i < n; ++i) {
+        const uint64_t block = r.tensor_blocks[i];
+        if (block >= spec.num_blocks) {
+          return Invalid(ErrorReason::kBlockOutOfRange,
+                         absl::StrCat("block ", block, " is outside ", spec.num_blocks, " blocks"));
+        }
+        KVF_RETURN_IF_ERROR(pool->table().CheckHandle(r.pages[i]));
+        if (!seen_pages.insert(r.pages[i].page_id).second && save) {
+          return Invalid(ErrorReason::kDuplicatePage, absl::StrCat("page ", r.pages[i].page_id, " is listed twice"));
+        }
+        if (!seen_blocks.insert(block).second && !save) {
+          return Invalid(ErrorReason::kDuplicatePage, absl::StrCat("block ", block, " is listed twice"));
+        }
+        const int64_t row0 = static_cast<int64_t>((spec.offset + block * spec.block_stride) / 2);
+        const int64_t step = static_cast<int64_t>(spec.token_stride / 2);
+        const int64_t loc0 = static_cast<int64_t>(r.pages[i].page_id) * page_size;
+        for (int64_t t = 0; t < page_size; ++t) {
+          offsets[i * page_size + t] = row0 + t * step;
+          locs[i * page_size + t] = loc0 + t;
+        }
+      }
+      handles.assign(r.pages.begin(), r.pages.end());
+    } else {
     if (r.blocks.size() != r.locations.size() || r.blocks.empty()) {
       return Invalid(ErrorReason::kInvalidRequest,
                      absl::StrCat(r.blocks.size(), " tensor tokens and ", r.locations.size(),
                                   " pool locations: give one of each per token, at least one"));
     }
     const int64_t n = static_cast<int64_t>(r.blocks.size());
-    std::vector<int64_t> offsets(n);  // elements from the allocation's base
+    offsets.resize(n);
     absl::flat_hash_set<int64_t> seen_blocks;
     for (int64_t i = 0; i < n; ++i) {
       const BlockSlot& b = r.blocks[i];
@@ -352,8 +395,7 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
                        absl::StrCat("token ", i, ": block ", b.block, " slot ", b.slot, " is loaded twice"));
       }
     }
-    KVF_ASSIGN_OR_RETURN(std::vector<int64_t> locs, pool->table().Resolve(r.locations));
-    std::vector<PageHandle> handles;
+    KVF_ASSIGN_OR_RETURN(locs, pool->table().Resolve(r.locations));
     absl::flat_hash_map<uint64_t, uint64_t> generation;
     absl::flat_hash_set<int64_t> seen;
     for (int64_t i = 0; i < n; ++i) {
@@ -365,6 +407,8 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
                        absl::StrCat("location ", i, " is written twice in one save"));
       }
     }
+    }
+    const int64_t n = static_cast<int64_t>(locs.size());
     KVF_ASSIGN_OR_RETURN(pin, pool->table().PinPages(handles, /*exclusive=*/save));
     tokens = n;
     bytes_moved = n * (kBf16RowBytes + GetLayoutInfo(g.layout).bytes_per_token());
@@ -551,8 +595,13 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
     return s;
   }
   auto done = std::make_shared<Completion>(std::move(*submitted));
-  auto complete = [done, finish, tensor, observer = observer_, op, bytes_moved, start]() {
-    const absl::Status s = finish(WithReason(done->Wait(), ErrorReason::kDeviceError));
+  const auto submitted_at = std::chrono::steady_clock::now();
+  auto complete = [done, finish, tensor, pool, observer = observer_, op, bytes_moved, start,
+                   submitted_at]() {
+    absl::Status ran = WithReason(done->Wait(), ErrorReason::kDeviceError);
+    // The device part alone (kvferry_kernel_seconds{op="save"|"load"}).
+    pool->ObserveOp(op, std::chrono::duration<double>(std::chrono::steady_clock::now() - submitted_at).count());
+    const absl::Status s = finish(ran);
     if (observer != nullptr) {
       observer->RecordTransfer(
           op, s.ok(), s.ok() ? bytes_moved : 0,

@@ -189,6 +189,46 @@ TEST_F(IpcTest, PagesOfRecordsLoadAsStoredOrTranscodedAndSaveAsStored) {
   }
 }
 
+TEST_F(IpcTest, WholeBlocksOfBf16RowsSaveAndLoadPageForPage) {
+  const int ps = 64, blocks = 4;
+  const uint64_t stride = 1280, block_stride = ps * stride;
+  const auto rows = testing::RandomRows(blocks * ps, 11);
+  Device cache(blocks * block_stride);
+  for (int i = 0; i < blocks * ps; ++i) cache.Upload(rows.data() + i * 512, 1024, (i / ps) * block_stride + (i % ps) * stride);
+  const uint64_t tensor = RegisterBf16(cache, blocks, ps, stride, block_stride);
+  for (Layout layout : testing::AllLayouts()) {
+    const std::string name = std::string("blocks.") + LayoutName(layout);
+    SCOPED_TRACE(name);
+    const auto pages = NewPool(name, layout, ps, blocks);
+    const std::vector<uint64_t> order = {3, 1, 0, 2};  // block order[i] → page i
+    auto saved = session_->SaveBlocks(tensor, name, 0, order, pages);
+    ASSERT_TRUE(saved.ok()) << saved.status();
+    EXPECT_EQ(*saved, static_cast<uint64_t>(blocks * ps));
+    // Reference: row (order[p], t) at location p * ps + t.
+    const PoolGeometry g{layout, ps, blocks};
+    std::vector<uint8_t> ref(g.pool_bytes(), 0);
+    std::vector<uint16_t> placed(rows.size());
+    std::vector<int64_t> locs(blocks * ps);
+    for (int p = 0; p < blocks; ++p) {
+      for (int t = 0; t < ps; ++t) {
+        std::copy_n(rows.begin() + (order[p] * ps + t) * 512, 512, placed.begin() + (p * ps + t) * 512);
+        locs[p * ps + t] = p * ps + t;
+      }
+    }
+    ASSERT_TRUE(reference::QuantizeStore(g, placed, locs, ref).ok());
+    EXPECT_EQ(*client_->ReadPages(name, pages), ref);
+    // Back into a dense tensor, page i into block i: the reference's dequantized rows.
+    Device out(blocks * ps * 1024);
+    const uint64_t out_tensor = RegisterBf16(out, blocks, ps, 1024, ps * 1024);
+    const std::vector<uint64_t> identity = {0, 1, 2, 3};
+    ASSERT_TRUE(session_->LoadBlocks(out_tensor, name, 0, pages, identity).ok());
+    std::vector<uint16_t> expected(rows.size());
+    ASSERT_TRUE(reference::DequantizeGather(g, ref, locs, expected).ok());
+    const auto got = out.Download();
+    EXPECT_TRUE(std::equal(got.begin(), got.end(), reinterpret_cast<const uint8_t*>(expected.data())));
+  }
+}
+
 TEST_F(IpcTest, AsynchronousSaveCompletesThroughItsWord) {
   const int ps = 64, n = 4096;
   const auto rows = testing::RandomRows(n, 7);

@@ -94,7 +94,9 @@ class Session {
                                 std::span<const BlockSlot> from, std::span<const TokenLocation> to);
   absl::StatusOr<uint64_t> Load(uint64_t tensor, const std::string& pool, uint32_t layer,
                                 std::span<const TokenLocation> from, std::span<const BlockSlot> to);
-  // records tensors, page by page (pairwise); Load transcodes to the tensor's layout.
+  // Whole blocks and pages (pairwise; block_tokens == page size), for either kind of tensor:
+  // bf16 rows are quantized / dequantized slot for slot; records are copied, or on Load
+  // transcoded to the tensor's layout. The compact form for large transfers.
   absl::StatusOr<uint64_t> SaveBlocks(uint64_t tensor, const std::string& pool, uint32_t layer,
                                       std::span<const uint64_t> from, std::span<const PageHandle> to);
   absl::StatusOr<uint64_t> LoadBlocks(uint64_t tensor, const std::string& pool, uint32_t layer,
