@@ -46,6 +46,7 @@ const char* OpName(const Op& op) {
     const char* operator()(const ScatterPagesOp&) const { return "scatter_pages"; }
     const char* operator()(const ZeroPagesOp&) const { return "zero_pages"; }
     const char* operator()(const CompressOp&) const { return "compress"; }
+    const char* operator()(const ExpandBlockIndicesParams&) const { return "expand_indices"; }
   };
   return std::visit(Namer{}, op);
 }

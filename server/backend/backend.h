@@ -86,7 +86,8 @@ struct CompressOp {
 };
 
 using Op = std::variant<CopyOp, FillZeroOp, QuantizeStoreParams, DequantizeGatherParams,
-                        TranscodeParams, GatherPagesOp, ScatterPagesOp, ZeroPagesOp, CompressOp>;
+                        TranscodeParams, GatherPagesOp, ScatterPagesOp, ZeroPagesOp, CompressOp,
+                        ExpandBlockIndicesParams>;
 
 // The name of an op's kind ("quantize_store", ...), for metrics and fault injection.
 const char* OpName(const Op& op);

@@ -81,6 +81,15 @@ struct HostRunner {
     return absl::OkStatus();
   }
   absl::Status operator()(const CompressOp& op) const { return reference::Compress(op.params); }
+  absl::Status operator()(const ExpandBlockIndicesParams& p) const {
+    for (int64_t i = 0; i < p.num_listed; ++i) {
+      for (int t = 0; t < p.page_size; ++t) {
+        p.row_offsets[i * p.page_size + t] = p.row0 + p.blocks[i] * p.block_stride + t * p.token_stride;
+        p.locs[i * p.page_size + t] = p.pages[i] * p.page_size + t;
+      }
+    }
+    return absl::OkStatus();
+  }
 };
 
 class CpuBackend final : public Backend {

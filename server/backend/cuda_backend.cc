@@ -155,6 +155,9 @@ struct Launcher {
   }
   absl::Status operator()(const ZeroPagesOp& op) const { return cuda::ZeroPages(op.params, stream); }
   absl::Status operator()(const CompressOp& op) const { return cuda::Compress(op.params, stream); }
+  absl::Status operator()(const ExpandBlockIndicesParams& p) const {
+    return cuda::ExpandBlockIndices(p, stream);
+  }
 };
 
 class CudaBackend final : public Backend {

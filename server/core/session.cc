@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <tuple>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
@@ -312,9 +313,10 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
     Buffer host, device;
   };
   auto scratch = std::make_shared<Scratch>();
-  auto make_scratch = [&](int64_t bytes) -> absl::Status {
-    KVF_ASSIGN_OR_RETURN(scratch->host, backend.Allocate(bytes, MemoryKind::kHostStaging, false));
-    KVF_ASSIGN_OR_RETURN(scratch->device, backend.Allocate(bytes, MemoryKind::kDevice, false));
+  // `host` bytes of staging (the index arrays the host fills), `device` >= host of scratch.
+  auto make_scratch = [&](int64_t host, int64_t device) -> absl::Status {
+    KVF_ASSIGN_OR_RETURN(scratch->host, backend.Allocate(host, MemoryKind::kHostStaging, false));
+    KVF_ASSIGN_OR_RETURN(scratch->device, backend.Allocate(std::max(host, device), MemoryKind::kDevice, false));
     return absl::OkStatus();
   };
   std::vector<Op> ops;
@@ -335,6 +337,8 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
     // and the pages touched, once each.
     std::vector<int64_t> offsets, locs;
     std::vector<PageHandle> handles;
+    // Page form: per-page lists only; the device expands them to per-token indices.
+    std::vector<int64_t> page_blocks, page_ids;
     if (page_form) {
       // Whole blocks to whole pages: block i's tokens are page i's slots.
       if (r.tensor_blocks.size() != r.pages.size() || r.pages.empty()) {
@@ -348,8 +352,8 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
                                   " tokens cannot fill pages of ", page_size));
       }
       const int64_t n = static_cast<int64_t>(r.pages.size());
-      offsets.resize(n * page_size);
-      locs.resize(n * page_size);
+      page_blocks.resize(n);
+      page_ids.resize(n);
       absl::flat_hash_set<uint64_t> seen_pages, seen_blocks;
       for (int64_t i = 0; i < n; ++i) {
         const uint64_t block = r.tensor_blocks[i];
@@ -364,13 +368,8 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
         if (!seen_blocks.insert(block).second && !save) {
           return Invalid(ErrorReason::kDuplicatePage, absl::StrCat("block ", block, " is listed twice"));
         }
-        const int64_t row0 = static_cast<int64_t>((spec.offset + block * spec.block_stride) / 2);
-        const int64_t step = static_cast<int64_t>(spec.token_stride / 2);
-        const int64_t loc0 = static_cast<int64_t>(r.pages[i].page_id) * page_size;
-        for (int64_t t = 0; t < page_size; ++t) {
-          offsets[i * page_size + t] = row0 + t * step;
-          locs[i * page_size + t] = loc0 + t;
-        }
+        page_blocks[i] = static_cast<int64_t>(block);
+        page_ids[i] = static_cast<int64_t>(r.pages[i].page_id);
       }
       handles.assign(r.pages.begin(), r.pages.end());
     } else {
@@ -408,7 +407,30 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
       }
     }
     }
-    const int64_t n = static_cast<int64_t>(locs.size());
+    const int64_t n = page_form ? static_cast<int64_t>(page_ids.size()) * page_size
+                                : static_cast<int64_t>(locs.size());
+    // Device addresses of the per-token indices: staged from the host (token form) or
+    // expanded on the device from the page lists staged at `at_lists` (page form).
+    auto indices = [&](int64_t at_offsets, int64_t at_locs, int64_t at_lists, uint8_t* dev)
+        -> std::pair<const int64_t*, const int64_t*> {
+      if (!page_form) {
+        return {stage(at_offsets, offsets.data(), n * 8), stage(at_locs, locs.data(), n * 8)};
+      }
+      const int64_t listed = static_cast<int64_t>(page_ids.size());
+      ExpandBlockIndicesParams e;
+      e.blocks = stage(at_lists, page_blocks.data(), listed * 8);
+      e.pages = stage(at_lists + AlignUp(listed * 8, 256), page_ids.data(), listed * 8);
+      e.num_listed = listed;
+      e.page_size = page_size;
+      e.row0 = static_cast<int64_t>(spec.offset / 2);
+      e.block_stride = static_cast<int64_t>(spec.block_stride / 2);
+      e.token_stride = static_cast<int64_t>(spec.token_stride / 2);
+      e.row_offsets = reinterpret_cast<int64_t*>(dev + at_offsets);
+      e.locs = reinterpret_cast<int64_t*>(dev + at_locs);
+      ops.push_back(e);
+      return {e.row_offsets, e.locs};
+    };
+    const int64_t lists_bytes = 2 * AlignUp(static_cast<int64_t>(page_ids.size()) * 8 + 8, 256);
     KVF_ASSIGN_OR_RETURN(pin, pool->table().PinPages(handles, /*exclusive=*/save));
     tokens = n;
     bytes_moved = n * (kBf16RowBytes + GetLayoutInfo(g.layout).bytes_per_token());
@@ -422,8 +444,9 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
       }
       const int64_t at_locs = AlignUp(n * 8, 256), at_flag = at_locs + AlignUp(n * 8, 256);
       const int64_t at_backup_ids = at_flag + 256, at_fresh_ids = at_backup_ids + AlignUp(backup.size() * 8 + 8, 256);
-      const int64_t at_backup = at_fresh_ids + AlignUp(fresh.size() * 8 + 8, 256);
-      if (absl::Status s = make_scratch(at_backup + backup.size() * g.page_bytes()); !s.ok()) {
+      const int64_t at_lists = at_fresh_ids + AlignUp(fresh.size() * 8 + 8, 256);
+      const int64_t at_backup = at_lists + lists_bytes;
+      if (absl::Status s = make_scratch(at_backup, at_backup + backup.size() * g.page_bytes()); !s.ok()) {
         pool->Unpin(pin);
         return s;
       }
@@ -431,8 +454,7 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
       QuantizeStoreParams q;
       q.geometry = g;
       q.rows = reinterpret_cast<const uint16_t*>(tensor->memory->base());
-      q.row_offsets = stage(0, offsets.data(), n * 8);
-      q.locs = stage(at_locs, locs.data(), n * 8);
+      std::tie(q.row_offsets, q.locs) = indices(0, at_locs, at_lists, dev);
       q.num_tokens = n;
       q.pool = layer_base;
       q.nonfinite = reinterpret_cast<uint32_t*>(dev + at_flag);
@@ -451,8 +473,8 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
       if (!fresh.empty()) zero.pages = stage(at_fresh_ids, fresh.data(), fresh.size() * 8);
       ops.push_back(q);
       ops.push_back(CopyOp{scratch->host.get() + at_flag, dev + at_flag, 4});
-      finish = [pool, pin, scratch, keep, zero, at_flag, layer = r.layer,
-                locs = std::move(locs), &backend](const absl::Status& ran) -> absl::Status {
+      finish = [pool, pin, scratch, keep, zero, at_flag, layer = r.layer, page_form,
+                locs = std::move(locs), page_ids, &backend](const absl::Status& ran) -> absl::Status {
         uint32_t flag = 0;
         std::memcpy(&flag, scratch->host.get() + at_flag, 4);
         absl::Status result = ran;
@@ -466,23 +488,27 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
                            "a source row holds NaN or Inf; nothing was stored");
           }
         }
-        pool->Unpin(pin, result.ok() ? static_cast<int>(layer) : -1,
-                    result.ok() ? std::span<const int64_t>(locs) : std::span<const int64_t>());
+        if (result.ok() && page_form) {
+          pool->UnpinWrittenPages(pin, std::vector<int>(page_ids.size(), static_cast<int>(layer)),
+                                  page_ids);  // every slot of each page
+        } else {
+          pool->Unpin(pin, result.ok() ? static_cast<int>(layer) : -1,
+                      result.ok() ? std::span<const int64_t>(locs) : std::span<const int64_t>());
+        }
         return result;
       };
     } else {
-      const int64_t at_offsets = AlignUp(n * 8, 256);
-      if (absl::Status s = make_scratch(2 * at_offsets); !s.ok()) {
+      const int64_t at_locs = AlignUp(n * 8, 256), at_lists = 2 * at_locs;
+      if (absl::Status s = make_scratch(at_lists + lists_bytes, at_lists + lists_bytes); !s.ok()) {
         pool->Unpin(pin);
         return s;
       }
       DequantizeGatherParams d;
       d.geometry = g;
       d.pool = layer_base;
-      d.locs = stage(0, locs.data(), n * 8);
+      std::tie(d.out_offsets, d.locs) = indices(0, at_locs, at_lists, scratch->device.get());
       d.num_tokens = n;
       d.out = reinterpret_cast<uint16_t*>(tensor->memory->base());
-      d.out_offsets = stage(at_offsets, offsets.data(), n * 8);
       d.out_offset_align = 8;  // offsets and strides are multiples of 16 bytes
       ops.push_back(d);
       finish = [pool, pin, scratch](const absl::Status& ran) {
@@ -539,7 +565,7 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
     }
     const int64_t w = static_cast<int64_t>(src_locs.size());
     const int64_t at_flat = AlignUp(n * 8, 256), at_src = 2 * at_flat, at_dst = at_src + AlignUp(w * 8 + 8, 256);
-    if (absl::Status s = make_scratch(at_dst + AlignUp(w * 8 + 8, 256)); !s.ok()) {
+    if (absl::Status s = make_scratch(at_dst + AlignUp(w * 8 + 8, 256), at_dst + AlignUp(w * 8 + 8, 256)); !s.ok()) {
       pool->Unpin(pin);
       return s;
     }

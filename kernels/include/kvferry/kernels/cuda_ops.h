@@ -41,6 +41,9 @@ absl::Status ScatterPages(const PageCopyParams& params, cudaStream_t stream);
 // Zero every layer of the listed pages (params.buffer unused).
 absl::Status ZeroPages(const PageCopyParams& params, cudaStream_t stream);
 
+using kvferry::ExpandBlockIndicesParams;
+absl::Status ExpandBlockIndices(const ExpandBlockIndicesParams& params, cudaStream_t stream);
+
 // Maps a CUDA error to a Status (OK for cudaSuccess); `what` names the failed step.
 absl::Status CudaStatus(cudaError_t error, const char* what);
 

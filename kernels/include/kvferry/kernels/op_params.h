@@ -62,4 +62,19 @@ struct PageCopyParams {
   const int64_t* buffer_pages = nullptr;
 };
 
+// Per-token indices of whole blocks moved to whole pages, built on the device so that a
+// transfer of many tokens sends only per-page lists: token t of listed page i gets
+//   row_offsets[i * page_size + t] = row0 + blocks[i] * block_stride + t * token_stride
+//   locs[i * page_size + t]        = pages[i] * page_size + t
+// (offsets and strides in elements of the rows' type).
+struct ExpandBlockIndicesParams {
+  const int64_t* blocks = nullptr;  // [num_listed]
+  const int64_t* pages = nullptr;   // [num_listed]
+  int64_t num_listed = 0;
+  int page_size = 0;
+  int64_t row0 = 0, block_stride = 0, token_stride = 0;
+  int64_t* row_offsets = nullptr;   // [num_listed * page_size]
+  int64_t* locs = nullptr;          // [num_listed * page_size]
+};
+
 }  // namespace kvferry
