@@ -1,0 +1,387 @@
+// The cpu fast path's row kernels in Highway: one copy per instruction set, the best one
+// the CPU supports chosen at run time.
+//
+// Every kernel is integer arithmetic on the bf16 bits (or a table derived from the scalar
+// rules), so each target computes the reference's bytes without depending on floating-point
+// state; cpu_ops_test proves it value by value on every target compiled in.
+#include <algorithm>
+#include <cstring>
+
+#include "cpu/fp4_tables.h"
+#include "cpu/row_kernels.h"
+#include "kvferry/kernels/format.h"
+#include "kvferry/kernels/numerics.h"
+#include "kvferry/kernels/ops.h"
+
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "cpu/row_kernels.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace kvferry::cpu::internal {
+namespace HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+
+// Token location -> record offsets by shift and mask (page sizes are powers of two):
+// LocateRecord's 64-bit division per row costs as much as quantizing a tile.
+struct Addressing {
+  explicit Addressing(const PoolGeometry& g)
+      : shift(Log2PageSize(g.page_size)),
+        slot_mask(g.page_size - 1),
+        page_bytes(g.page_bytes()),
+        scale_offset(ScaleOffset(g.layout, g.page_size)),
+        data_bytes(GetLayoutInfo(g.layout).data_bytes),
+        scale_bytes(GetLayoutInfo(g.layout).scale_bytes) {}
+
+  RecordOffsets operator()(int64_t loc) const {
+    const int64_t base = (loc >> shift) * page_bytes;
+    const int64_t slot = loc & slot_mask;
+    return RecordOffsets{base + slot * data_bytes, base + scale_offset + slot * scale_bytes};
+  }
+
+  int shift;
+  int64_t slot_mask, page_bytes, scale_offset, data_bytes, scale_bytes;
+};
+
+// bf16 magnitudes at or above this are NaN or Inf.
+constexpr int kNonFiniteMagnitude = 0x7F80;
+
+bool AllFiniteImpl(const uint16_t* values, int64_t count) {
+  const hn::ScalableTag<int16_t> d;
+  const int64_t n = static_cast<int64_t>(hn::Lanes(d));
+  const int16_t* p = reinterpret_cast<const int16_t*>(values);
+  const auto magnitude = hn::Set(d, 0x7FFF);
+  auto max0 = hn::Zero(d), max1 = hn::Zero(d);
+  int64_t i = 0;
+  for (; i + 2 * n <= count; i += 2 * n) {
+    max0 = hn::Max(max0, hn::And(hn::LoadU(d, p + i), magnitude));
+    max1 = hn::Max(max1, hn::And(hn::LoadU(d, p + i + n), magnitude));
+  }
+  for (; i + n <= count; i += n) max0 = hn::Max(max0, hn::And(hn::LoadU(d, p + i), magnitude));
+  int max = hn::GetLane(hn::MaxOfLanes(d, hn::Max(max0, max1)));
+  for (; i < count; ++i) max = std::max(max, values[i] & 0x7FFF);
+  return max < kNonFiniteMagnitude;
+}
+
+#if HWY_TARGET == HWY_SCALAR
+
+// One-lane vectors gain nothing over the reference's loops, so this target runs them.
+void QuantizeRow(Layout layout, const uint16_t* row, uint8_t* data, uint8_t* scale,
+                 const Fp4Tables&) {
+  reference::QuantizeRow(layout, row, data, scale);
+}
+void DequantizeRow(Layout layout, const uint8_t* data, const uint8_t* scale, uint16_t* row,
+                   const Fp4Tables&) {
+  reference::DequantizeRow(layout, data, scale, row);
+}
+
+#else
+
+// 16-bit lanes, at most 256 bits: a V41_FP4 tile is 16 values and a vector must not straddle
+// two tiles. Every tile (16, 32, 64 values) is a whole number of vectors on every target.
+using D16 = hn::CappedTag<int16_t, 16>;
+using V16 = hn::Vec<D16>;
+
+HWY_INLINE V16 LoadBf16(D16 d, const uint16_t* p) {
+  return hn::LoadU(d, reinterpret_cast<const int16_t*>(p));
+}
+
+// Largest magnitude bits (bf16 & 0x7FFF) of `count` values, a multiple of the lane count.
+HWY_INLINE int TileAmax(D16 d, const uint16_t* p, int count) {
+  const int n = static_cast<int>(hn::Lanes(d));
+  const V16 magnitude = hn::Set(d, 0x7FFF);
+  V16 max = hn::And(LoadBf16(d, p), magnitude);
+  for (int i = n; i < count; i += n) max = hn::Max(max, hn::And(LoadBf16(d, p + i), magnitude));
+  return hn::GetLane(hn::MaxOfLanes(d, max));
+}
+
+// e4m3 RNE-sat(x * 2^(127-e)) for a vector of finite bf16 x, as int16 lanes 0..255, without
+// forming the product: bias = (7 - e) << 7 turns the magnitude bits (Ex << 7 | m7) into
+// t = E' << 7 | m7, E' being the e4m3 biased exponent of the product (exact: a power of two
+// only moves the exponent). Signed 16-bit t cannot overflow: e is in [105, 253].
+//  - E' >= 1: keep 3 of the 7 mantissa bits, round to nearest even (a carry rolls into the
+//    exponent), saturate at 0x7E = 448 — numerics::FloatToE4m3's normal branch.
+//  - E' in [-3, 0]: subnormal, (128 | m7) >> (5 - E') rounded to nearest even; the shift is
+//    done as (128 | m7) << (E' + 3) >> 8 so every lane shifts by the same constant.
+//  - E' < -3 (and bf16 zeros and subnormals): below half the smallest step, code 0.
+// The sign bit is copied, so -0 and negative values that round to zero give 0x80.
+HWY_INLINE V16 EncodeE4m3(D16 d, V16 bits, V16 bias) {
+  const V16 t = hn::Add(hn::And(bits, hn::Set(d, 0x7FFF)), bias);
+  const V16 lsb = hn::And(hn::ShiftRight<4>(t), hn::Set(d, 1));
+  const V16 normal =
+      hn::Min(hn::ShiftRight<4>(hn::Add(hn::Add(t, hn::Set(d, 7)), lsb)), hn::Set(d, 0x7E));
+  V16 code = hn::IfThenElseZero(t > hn::Set(d, 127), normal);
+  const auto subnormal = hn::And(t > hn::Set(d, -3 * 128 - 1), t < hn::Set(d, 128));
+  // Rare in real rows (values below amax / 2^14), so it costs only where it occurs.
+  if (HWY_UNLIKELY(!hn::AllFalse(d, subnormal))) {
+    const V16 exponent = hn::ShiftRight<7>(t);  // arithmetic: floor(t / 128) = E'
+    V16 significand = hn::Or(hn::And(t, hn::Set(d, 0x7F)), hn::Set(d, 0x80));
+    for (int at_least = -2; at_least <= 0; ++at_least) {
+      significand = hn::IfThenElse(exponent > hn::Set(d, static_cast<int16_t>(at_least - 1)),
+                                   hn::Add(significand, significand), significand);
+    }
+    const V16 odd = hn::And(hn::ShiftRight<8>(significand), hn::Set(d, 1));
+    const V16 rounded =
+        hn::ShiftRight<8>(hn::Add(hn::Add(significand, hn::Set(d, 127)), odd));
+    code = hn::IfThenElse(subnormal, rounded, code);
+  }
+  return hn::Or(code, hn::And(hn::ShiftRight<8>(bits), hn::Set(d, 0x80)));
+}
+
+// V4 (NoPE tiles) and V41 quantization of one row.
+template <Layout kLayout>
+void QuantizeE4m3Row(const uint16_t* row, uint8_t* data, uint8_t* scale) {
+  constexpr int kTile = GetLayoutInfo(kLayout).tile;
+  constexpr int kTiles = (kLayout == Layout::kV4 ? kNopeDim : kHeadDim) / kTile;
+  const D16 d;
+  const hn::Rebind<uint8_t, D16> d8;
+  const int n = static_cast<int>(hn::Lanes(d));
+  int amax[kTiles];
+  int row_max = 0;
+  for (int t = 0; t < kTiles; ++t) {
+    amax[t] = TileAmax(d, row + t * kTile, kTile);
+    row_max = std::max(row_max, amax[t]);
+  }
+  if (HWY_UNLIKELY(row_max >= kNonFiniteMagnitude)) {
+    // Only a transcode of a corrupt record gets here; the reference's rules decide.
+    reference::QuantizeRow(kLayout, row, data, scale);
+    return;
+  }
+  for (int t = 0; t < kTiles; ++t) {
+    const float amax_value = numerics::BitsToFloat(static_cast<uint32_t>(amax[t]) << 16);
+    const int e = kLayout == Layout::kV4 ? numerics::V4ScaleExponent(amax_value)
+                                         : numerics::V41ScaleExponent(amax_value);
+    const V16 bias = hn::Set(d, static_cast<int16_t>((7 - e) * 128));
+    for (int i = t * kTile; i < (t + 1) * kTile; i += n) {
+      hn::StoreU(hn::DemoteTo(d8, EncodeE4m3(d, LoadBf16(d, row + i), bias)), d8, data + i);
+    }
+    scale[t] = static_cast<uint8_t>(e);
+  }
+  if constexpr (kLayout == Layout::kV4) {
+    std::memcpy(data + kNopeDim, row + kNopeDim, kRopeDim * sizeof(uint16_t));
+    scale[7] = 0;
+  }
+}
+
+// V41_FP4 quantization of one row: the scale code and the e2m1 codes by table (see
+// Fp4Tables); a code is the count of thresholds the magnitude exceeds. The sign is kept for
+// every nonzero value (|x| / S >= 2^-142 never rounds to zero in fp32) and dropped for -0,
+// as the reference's "+ 0.0f" does.
+void QuantizeFp4Row(const uint16_t* row, uint8_t* data, uint8_t* scale, const Fp4Tables& tables) {
+  constexpr int kTile = 16;
+  constexpr int kTiles = kHeadDim / kTile;
+  const D16 d;
+  const hn::Repartition<int32_t, D16> d32;
+  const hn::Rebind<uint8_t, decltype(d32)> d8;
+  const int n = static_cast<int>(hn::Lanes(d));
+  int amax[kTiles];
+  int row_max = 0;
+  for (int t = 0; t < kTiles; ++t) {
+    amax[t] = TileAmax(d, row + t * kTile, kTile);
+    row_max = std::max(row_max, amax[t]);
+  }
+  if (HWY_UNLIKELY(row_max >= kNonFiniteMagnitude)) {
+    reference::QuantizeRow(Layout::kV41Fp4, row, data, scale);
+    return;
+  }
+  const V16 magnitude = hn::Set(d, 0x7FFF);
+  const V16 zero = hn::Zero(d);
+  const V16 sign = hn::Set(d, 0x8);
+  for (int t = 0; t < kTiles; ++t) {
+    const uint8_t s = tables.scale_code[amax[t]];
+    const int16_t* thresholds = tables.thresholds[s];
+    for (int i = t * kTile; i < (t + 1) * kTile; i += n) {
+      const V16 bits = LoadBf16(d, row + i);
+      const V16 a = hn::And(bits, magnitude);
+      V16 code = zero;
+      for (int k = 0; k < 7; ++k) {
+        code = hn::Sub(code, hn::VecFromMask(d, a > hn::Set(d, thresholds[k])));
+      }
+      code = hn::Or(code, hn::IfThenZeroElse(a == zero, hn::And(hn::ShiftRight<12>(bits), sign)));
+      // Two codes per 32-bit lane (dim 2j low, 2j+1 high) -> one byte: low | high << 4.
+      auto pairs = hn::BitCast(d32, code);
+      pairs = hn::And(hn::Or(pairs, hn::ShiftRight<12>(pairs)), hn::Set(d32, 0xFF));
+      hn::StoreU(hn::DemoteTo(d8, pairs), d8, data + i / 2);
+    }
+    scale[t] = s;
+  }
+}
+
+// bf16 bits of the e4m3 subnormal magnitudes m * 2^-9 (m = 0..7) before scaling by 2^9:
+// the bf16 of m, as little-endian bytes for an in-register lookup.
+alignas(16) constexpr uint8_t kSubnormalBf16[16] = {0x00, 0x00, 0x80, 0x3F, 0x00, 0x40,
+                                                     0x40, 0x40, 0x80, 0x40, 0xA0, 0x40,
+                                                     0xC0, 0x40, 0xE0, 0x40};
+
+// Scale bytes for which every code's product is a normal bf16 (exponent field 1..254), so
+// the bit arithmetic below is exact; other bytes (never written by a store, except V4's
+// largest rows) take the reference's path.
+constexpr int kMinArithmeticScale = 10;
+constexpr int kMaxArithmeticScale = 246;
+
+// V4 (NoPE) and V41 dequantization of one row: the product e4m3(code) * 2^(e-127) is exact,
+// so its bf16 is assembled from bits: a normal code's (exponent, mantissa) lands at
+// (code & 0x7F) << 4 plus (e - 7) << 7; a subnormal code m is bf16(m) * 2^(e - 136).
+template <Layout kLayout>
+void DequantizeE4m3Row(const uint8_t* data, const uint8_t* scale, uint16_t* row) {
+  constexpr int kTile = GetLayoutInfo(kLayout).tile;
+  constexpr int kTiles = (kLayout == Layout::kV4 ? kNopeDim : kHeadDim) / kTile;
+  for (int t = 0; t < kTiles; ++t) {
+    if (HWY_UNLIKELY(scale[t] < kMinArithmeticScale || scale[t] > kMaxArithmeticScale)) {
+      reference::DequantizeRow(kLayout, data, scale, row);
+      return;
+    }
+  }
+  const D16 d;
+  const hn::Rebind<uint8_t, D16> d8;
+  const hn::Repartition<uint8_t, D16> dbytes;
+  const int n = static_cast<int>(hn::Lanes(d));
+  const auto table = hn::LoadDup128(dbytes, kSubnormalBf16);
+  const V16 low7 = hn::Set(d, 0x7F), low3 = hn::Set(d, 0x7), eight = hn::Set(d, 8);
+  const V16 zero = hn::Zero(d), sign = hn::Set(d, 0x80);
+  // Byte indices 2m, 2m + 1 of entry m.
+  const V16 index_step = hn::Set(d, 0x0202), index_base = hn::Set(d, 0x0100);
+  int16_t* out = reinterpret_cast<int16_t*>(row);
+  for (int t = 0; t < kTiles; ++t) {
+    const int e = scale[t];
+    const V16 normal_bias = hn::Set(d, static_cast<int16_t>((e - 7) * 128));
+    const V16 subnormal_bias = hn::Set(d, static_cast<int16_t>((e - 136) * 128));
+    for (int i = t * kTile; i < (t + 1) * kTile; i += n) {
+      const V16 code = hn::PromoteTo(d, hn::LoadU(d8, data + i));
+      const V16 m = hn::And(code, low7);
+      const V16 normal = hn::Add(hn::ShiftLeft<4>(m), normal_bias);
+      const V16 index = hn::Add(hn::And(m, low3) * index_step, index_base);
+      const V16 subnormal = hn::Add(
+          hn::BitCast(d, hn::TableLookupBytes(table, hn::BitCast(dbytes, index))),
+          subnormal_bias);
+      V16 value = hn::IfThenZeroElse(m == zero, hn::IfThenElse(m < eight, subnormal, normal));
+      value = hn::Or(value, hn::ShiftLeft<8>(hn::And(code, sign)));
+      hn::StoreU(value, d, out + i);
+    }
+  }
+  if constexpr (kLayout == Layout::kV4) {
+    std::memcpy(row + kNopeDim, data + kNopeDim, kRopeDim * sizeof(uint16_t));
+  }
+}
+
+// V41_FP4 dequantization: per 16-value tile, one in-register lookup of the tile's products
+// (Fp4Tables::dequant_*), indexed by the 16 nibbles. 128-bit vectors: one tile each.
+void DequantizeFp4Row(const uint8_t* data, const uint8_t* scale, uint16_t* row,
+                      const Fp4Tables& tables) {
+  const hn::FixedTag<uint8_t, 16> d8;
+  const hn::FixedTag<uint8_t, 8> dpacked;
+  const hn::FixedTag<uint16_t, 8> d16;
+  const auto low4 = hn::Set(d16, 0xF);
+  for (int t = 0; t < kHeadDim / 16; ++t) {
+    const auto packed = hn::PromoteTo(d16, hn::LoadU(dpacked, data + 8 * t));
+    // Byte 2j indexes dim 2j (low nibble), byte 2j + 1 dim 2j + 1 (high nibble).
+    const auto index =
+        hn::BitCast(d8, hn::Or(hn::And(packed, low4), hn::ShiftLeft<8>(hn::ShiftRight<4>(packed))));
+    const auto low = hn::TableLookupBytes(hn::Load(d8, tables.dequant_low[scale[t]]), index);
+    const auto high = hn::TableLookupBytes(hn::Load(d8, tables.dequant_high[scale[t]]), index);
+    hn::StoreU(hn::ZipLower(d16, low, high), d16, row + 16 * t);
+    hn::StoreU(hn::ZipUpper(d16, low, high), d16, row + 16 * t + 8);
+  }
+}
+
+void QuantizeRow(Layout layout, const uint16_t* row, uint8_t* data, uint8_t* scale,
+                 const Fp4Tables& tables) {
+  switch (layout) {
+    case Layout::kV4:
+      return QuantizeE4m3Row<Layout::kV4>(row, data, scale);
+    case Layout::kV41:
+      return QuantizeE4m3Row<Layout::kV41>(row, data, scale);
+    case Layout::kV41Fp4:
+      return QuantizeFp4Row(row, data, scale, tables);
+  }
+}
+
+void DequantizeRow(Layout layout, const uint8_t* data, const uint8_t* scale, uint16_t* row,
+                   const Fp4Tables& tables) {
+  switch (layout) {
+    case Layout::kV4:
+      return DequantizeE4m3Row<Layout::kV4>(data, scale, row);
+    case Layout::kV41:
+      return DequantizeE4m3Row<Layout::kV41>(data, scale, row);
+    case Layout::kV41Fp4:
+      return DequantizeFp4Row(data, scale, row, tables);
+  }
+}
+
+#endif  // HWY_TARGET == HWY_SCALAR
+
+int64_t TargetImpl() { return HWY_TARGET; }
+
+void QuantizeRowsImpl(const PoolGeometry& geometry, const uint16_t* rows, const int64_t* locs,
+                      int64_t count, uint8_t* pool) {
+  const Addressing locate(geometry);
+  const Fp4Tables& tables = Fp4Tables::Get();
+  for (int64_t i = 0; i < count; ++i) {
+    const RecordOffsets at = locate(locs[i]);
+    QuantizeRow(geometry.layout, rows + i * kHeadDim, pool + at.data, pool + at.scale, tables);
+  }
+}
+
+void DequantizeRowsImpl(const PoolGeometry& geometry, const uint8_t* pool, const int64_t* locs,
+                        int64_t count, uint16_t* out, int64_t out_row_stride) {
+  const Addressing locate(geometry);
+  const Fp4Tables& tables = Fp4Tables::Get();
+  for (int64_t i = 0; i < count; ++i) {
+    const RecordOffsets at = locate(locs[i]);
+    DequantizeRow(geometry.layout, pool + at.data, pool + at.scale, out + i * out_row_stride,
+                  tables);
+  }
+}
+
+void TranscodeRowsImpl(const PoolGeometry& from, const uint8_t* src, const PoolGeometry& to,
+                       uint8_t* dst, const int64_t* locs, int64_t count) {
+  const Addressing locate_from(from), locate_to(to);
+  const Fp4Tables& tables = Fp4Tables::Get();
+  alignas(64) uint16_t row[kHeadDim];
+  for (int64_t i = 0; i < count; ++i) {
+    const RecordOffsets in = locate_from(locs[i]);
+    const RecordOffsets out = locate_to(locs[i]);
+    DequantizeRow(from.layout, src + in.data, src + in.scale, row, tables);
+    QuantizeRow(to.layout, row, dst + out.data, dst + out.scale, tables);
+  }
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace kvferry::cpu::internal
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace kvferry::cpu::internal {
+
+HWY_EXPORT(TargetImpl);
+HWY_EXPORT(AllFiniteImpl);
+HWY_EXPORT(QuantizeRowsImpl);
+HWY_EXPORT(DequantizeRowsImpl);
+HWY_EXPORT(TranscodeRowsImpl);
+
+const char* DispatchedTargetName() {
+  return hwy::TargetName(HWY_DYNAMIC_DISPATCH(TargetImpl)());
+}
+
+bool AllFinite(const uint16_t* values, int64_t count) {
+  return HWY_DYNAMIC_DISPATCH(AllFiniteImpl)(values, count);
+}
+
+void QuantizeRows(const PoolGeometry& geometry, const uint16_t* rows, const int64_t* locs,
+                  int64_t count, uint8_t* pool) {
+  HWY_DYNAMIC_DISPATCH(QuantizeRowsImpl)(geometry, rows, locs, count, pool);
+}
+
+void DequantizeRows(const PoolGeometry& geometry, const uint8_t* pool, const int64_t* locs,
+                    int64_t count, uint16_t* out, int64_t out_row_stride) {
+  HWY_DYNAMIC_DISPATCH(DequantizeRowsImpl)(geometry, pool, locs, count, out, out_row_stride);
+}
+
+void TranscodeRows(const PoolGeometry& from, const uint8_t* src, const PoolGeometry& to,
+                   uint8_t* dst, const int64_t* locs, int64_t count) {
+  HWY_DYNAMIC_DISPATCH(TranscodeRowsImpl)(from, src, to, dst, locs, count);
+}
+
+}  // namespace kvferry::cpu::internal
+#endif  // HWY_ONCE

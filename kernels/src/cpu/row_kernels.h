@@ -1,0 +1,29 @@
+// The cpu fast path's row loops, compiled once per instruction set (Highway) and dispatched
+// at run time to the best one the CPU supports. Inputs are validated by the caller.
+#pragma once
+
+#include <cstdint>
+
+#include "kvferry/kernels/format.h"
+
+namespace kvferry::cpu::internal {
+
+// True when none of `count` bf16 values is NaN or ±Inf.
+bool AllFinite(const uint16_t* values, int64_t count);
+
+// rows[i] ([count, 512] bf16) into the record of locs[i].
+void QuantizeRows(const PoolGeometry& geometry, const uint16_t* rows, const int64_t* locs,
+                  int64_t count, uint8_t* pool);
+
+// The record of locs[i] into out[i * out_row_stride .. +512).
+void DequantizeRows(const PoolGeometry& geometry, const uint8_t* pool, const int64_t* locs,
+                    int64_t count, uint16_t* out, int64_t out_row_stride);
+
+// quantize_to(dequantize_from(record)) of each location, from src into dst.
+void TranscodeRows(const PoolGeometry& from, const uint8_t* src, const PoolGeometry& to,
+                   uint8_t* dst, const int64_t* locs, int64_t count);
+
+// The instruction set the calls above dispatch to now (e.g. "AVX2").
+const char* DispatchedTargetName();
+
+}  // namespace kvferry::cpu::internal
