@@ -1,0 +1,188 @@
+// CPU fast path throughput: every op and layout on one core and on all cores, in tokens/s
+// and GB/s, against the CPU reference and against memcpy of the same bytes out of DRAM,
+// all measured in the same run. Buffers are sized far beyond the last-level cache.
+//
+// Usage: cpu_bench [--tokens N] [--threads T] [--reps R]
+//   --tokens   tokens per call (default 262144: 256 MiB of bf16 rows)
+//   --threads  size of the "all cores" pool (default: the cores this process may use)
+//   --reps     timed calls per figure, the median is reported (default 5; the reference 1)
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common/random_rows.h"
+#include "kvferry/kernels/cpu_ops.h"
+#include "kvferry/kernels/ops.h"
+
+namespace kvferry {
+namespace {
+
+constexpr int kPageSize = 64;
+constexpr int64_t kLocationBytes = sizeof(int64_t);
+
+struct Options {
+  int64_t tokens = int64_t{1} << 18;
+  int threads = cpu::DefaultThreadCount();
+  int reps = 5;
+};
+
+// Median wall time of `reps` calls of fn, after one untimed call (page faults, tables).
+double MedianSeconds(int reps, const std::function<void()>& fn) {
+  fn();
+  std::vector<double> times;
+  for (int r = 0; r < reps; ++r) {
+    const auto start = std::chrono::steady_clock::now();
+    fn();
+    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+void Check(const absl::Status& status) {
+  if (!status.ok()) {
+    std::fprintf(stderr, "cpu_bench: %s\n", status.ToString().c_str());
+    std::exit(1);
+  }
+}
+
+class Table {
+ public:
+  Table(double copy_1, double copy_all) : copy_{copy_1, copy_all} {}
+
+  // One figure: `bytes_per_token` moved per token, `seconds` for `tokens` tokens; `all`
+  // says which copy rate it is compared with; `reference_seconds` (0: none) the
+  // reference's time for the same call.
+  void Add(const std::string& op, const std::string& layout, const std::string& locations,
+           bool all, int64_t tokens, double bytes_per_token, double seconds,
+           double reference_seconds = 0) {
+    const double gbs = tokens * bytes_per_token / seconds / 1e9;
+    char line[320];
+    char speedup[32] = "";
+    if (reference_seconds > 0) std::snprintf(speedup, sizeof(speedup), "%.1f×", reference_seconds / seconds);
+    std::snprintf(line, sizeof(line), "| %s | %s | %s | %s | %.3g M | %.2f | %.0f %% | %s |\n",
+                  op.c_str(), layout.c_str(), locations.c_str(), all ? "all" : "1",
+                  tokens / seconds / 1e6, gbs, 100 * gbs / copy_[all ? 1 : 0], speedup);
+    std::fputs(line, stdout);
+    std::fflush(stdout);
+  }
+
+ private:
+  double copy_[2];
+};
+
+int Main(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--tokens")) o.tokens = std::max<int64_t>(kPageSize, std::atoll(argv[i + 1]));
+    if (!std::strcmp(argv[i], "--threads")) o.threads = std::max(1, std::atoi(argv[i + 1]));
+    if (!std::strcmp(argv[i], "--reps")) o.reps = std::max(1, std::atoi(argv[i + 1]));
+  }
+  o.tokens = o.tokens / kPageSize * kPageSize;
+  cpu::ThreadPool workers(o.threads);
+  const int64_t n = o.tokens;
+
+  // The ceiling: memcpy of the bf16 rows' bytes between two DRAM buffers, one core and all
+  // cores; GB/s counts bytes read plus bytes written.
+  std::vector<uint8_t> copy_src(n * kBf16RowBytes, 1), copy_dst(copy_src.size(), 2);
+  const double copy_bytes = 2.0 * static_cast<double>(copy_src.size());
+  const double copy_1 = copy_bytes / MedianSeconds(o.reps, [&] {
+    std::memcpy(copy_dst.data(), copy_src.data(), copy_src.size());
+  }) / 1e9;
+  const double copy_all = copy_bytes / MedianSeconds(o.reps, [&] {
+    workers.ParallelFor(static_cast<int64_t>(copy_src.size()), 1 << 20, [&](int64_t b, int64_t e) {
+      std::memcpy(copy_dst.data() + b, copy_src.data() + b, e - b);
+    });
+  }) / 1e9;
+  copy_src = {};
+  copy_dst = {};
+  std::printf("cpu_bench: %lld tokens, page size %d, %d threads for \"all\", target %s\n",
+              static_cast<long long>(n), kPageSize, o.threads, cpu::DispatchedTargetName());
+  std::printf("memcpy of %lld MiB out of DRAM: %.2f GB/s on one core, %.2f GB/s on all\n\n",
+              static_cast<long long>(n * kBf16RowBytes >> 20), copy_1, copy_all);
+  std::printf("| op | layout | locations | cores | tokens/s | GB/s | %% of copy | × reference |\n");
+  std::printf("|---|---|---|---|---|---|---|---|\n");
+  Table table(copy_1, copy_all);
+
+  const std::vector<uint16_t> rows = testing::RandomRows(n, 1);
+  std::vector<uint16_t> out(rows.size());
+  const std::vector<int64_t> sequential = [n] {
+    std::vector<int64_t> locs(n);
+    for (int64_t i = 0; i < n; ++i) locs[i] = i;
+    return locs;
+  }();
+  const Layout layouts[] = {Layout::kV4, Layout::kV41, Layout::kV41Fp4};
+
+  for (const Layout layout : layouts) {
+    // A pool twice the request: scattered locations are a random half of its slots.
+    const PoolGeometry g{layout, kPageSize, 2 * n / kPageSize};
+    const std::vector<int64_t> scattered = testing::ScatteredLocations(n, g.num_tokens(), 2);
+    std::vector<uint8_t> pool(g.pool_bytes(), 0);
+    const double record = GetLayoutInfo(layout).bytes_per_token();
+    const double bytes = kBf16RowBytes + kLocationBytes + record;
+    for (const std::vector<int64_t>* locs : {&sequential, &scattered}) {
+      const char* order = locs == &sequential ? "sequential" : "scattered";
+      const double ref = MedianSeconds(1, [&] { Check(reference::QuantizeStore(g, rows, *locs, pool)); });
+      table.Add("quantize-store", LayoutName(layout), order, false, n, bytes,
+                MedianSeconds(o.reps, [&] { Check(cpu::QuantizeStore(g, rows, *locs, pool)); }), ref);
+      table.Add("quantize-store", LayoutName(layout), order, true, n, bytes,
+                MedianSeconds(o.reps, [&] { Check(cpu::QuantizeStore(g, rows, *locs, pool, &workers)); }),
+                ref);
+    }
+    for (const std::vector<int64_t>* locs : {&sequential, &scattered}) {
+      const char* order = locs == &sequential ? "sequential" : "scattered";
+      const double ref = MedianSeconds(1, [&] { Check(reference::DequantizeGather(g, pool, *locs, out)); });
+      table.Add("dequantize-gather", LayoutName(layout), order, false, n, bytes,
+                MedianSeconds(o.reps, [&] { Check(cpu::DequantizeGather(g, pool, *locs, out)); }), ref);
+      table.Add("dequantize-gather", LayoutName(layout), order, true, n, bytes,
+                MedianSeconds(o.reps, [&] {
+                  Check(cpu::DequantizeGather(g, pool, *locs, out, kHeadDim, &workers));
+                }),
+                ref);
+    }
+    if (layout != Layout::kV4) {
+      const PoolGeometry to{Layout::kV4, kPageSize, g.num_pages};
+      std::vector<uint8_t> dst(to.pool_bytes(), 0);
+      const double transcode_bytes = record + kLocationBytes + GetLayoutInfo(Layout::kV4).bytes_per_token();
+      const double ref = MedianSeconds(1, [&] { Check(reference::Transcode(g, pool, to, dst, sequential)); });
+      table.Add("transcode to v4", LayoutName(layout), "sequential", false, n, transcode_bytes,
+                MedianSeconds(o.reps, [&] { Check(cpu::Transcode(g, pool, to, dst, sequential)); }), ref);
+      table.Add("transcode to v4", LayoutName(layout), "sequential", true, n, transcode_bytes,
+                MedianSeconds(o.reps, [&] { Check(cpu::Transcode(g, pool, to, dst, sequential, &workers)); }),
+                ref);
+    }
+  }
+
+  // Page copies: every other page of a V4 pool twice the request (one layer), to and from
+  // a page buffer; GB/s counts bytes read plus written (zeroing: written).
+  const PoolGeometry v4{Layout::kV4, kPageSize, 2 * n / kPageSize};
+  const PageCopyGeometry pg{v4.page_bytes(), v4.num_pages, 1};
+  std::vector<uint8_t> pool(pg.pool_bytes(), 3);
+  std::vector<int64_t> pages(n / kPageSize);
+  for (size_t i = 0; i < pages.size(); ++i) pages[i] = 2 * static_cast<int64_t>(i);
+  std::vector<uint8_t> buffer(pg.buffer_bytes(pages.size()), 4);
+  const double page_copy_bytes = 2.0 * v4.page_bytes() / kPageSize;
+  for (const bool all : {false, true}) {
+    cpu::ThreadPool* w = all ? &workers : nullptr;
+    table.Add("gather pages", "v4", "every other page", all, n, page_copy_bytes,
+              MedianSeconds(o.reps, [&] { Check(cpu::GatherPages(pg, pool, pages, buffer, w)); }),
+              all ? 0 : MedianSeconds(1, [&] { Check(reference::GatherPages(pg, pool, pages, buffer)); }));
+    table.Add("scatter pages", "v4", "every other page", all, n, page_copy_bytes,
+              MedianSeconds(o.reps, [&] { Check(cpu::ScatterPages(pg, buffer, pages, pool, w)); }),
+              all ? 0 : MedianSeconds(1, [&] { Check(reference::ScatterPages(pg, buffer, pages, pool)); }));
+    table.Add("zero pages", "v4", "every other page", all, n, page_copy_bytes / 2,
+              MedianSeconds(o.reps, [&] { Check(cpu::ZeroPages(pg, pages, pool, w)); }),
+              all ? 0 : MedianSeconds(1, [&] { Check(reference::ZeroPages(pg, pages, pool)); }));
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvferry
+
+int main(int argc, char** argv) { return kvferry::Main(argc, argv); }
