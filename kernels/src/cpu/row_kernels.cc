@@ -127,68 +127,102 @@ HWY_INLINE int TileAmax(D16 d, const uint16_t* p, int count) {
   }
 }
 
-// e4m3 RNE-sat(x * 2^(127-e)) for a vector of finite bf16 x, as int16 lanes 0..255, without
-// forming the product: bias = (7 - e) << 7 turns the magnitude bits (Ex << 7 | m7) into
-// t = E' << 7 | m7, E' being the e4m3 biased exponent of the product (exact: a power of two
-// only moves the exponent). Signed 16-bit t cannot overflow: e is in [105, 253].
-//  - E' >= 1: keep 3 of the 7 mantissa bits, round to nearest even (a carry rolls into the
-//    exponent), saturate at 0x7E = 448 — numerics::FloatToE4m3's normal branch.
-//  - E' in [-3, 0]: subnormal, (128 | m7) >> (5 - E') rounded to nearest even; the shift is
-//    done as (128 | m7) << (E' + 3) >> 8 so every lane shifts by the same constant.
-//  - E' < -3 (and bf16 zeros and subnormals): below half the smallest step, code 0.
-// The sign bit is copied, so -0 and negative values that round to zero give 0x80.
-HWY_INLINE V16 EncodeE4m3(D16 d, V16 bits, V16 bias) {
-  const V16 t = hn::Add(hn::And(bits, hn::Set(d, 0x7FFF)), bias);
-  const V16 lsb = hn::And(hn::ShiftRight<4>(t), hn::Set(d, 1));
-  const V16 normal =
-      hn::Min(hn::ShiftRight<4>(hn::Add(hn::Add(t, hn::Set(d, 7)), lsb)), hn::Set(d, 0x7E));
-  V16 code = hn::IfThenElseZero(t > hn::Set(d, 127), normal);
-  const auto subnormal = hn::And(t > hn::Set(d, -3 * 128 - 1), t < hn::Set(d, 128));
-  // Rare in real rows (values below amax / 2^14), so it costs only where it occurs.
-  if (HWY_UNLIKELY(!hn::AllFalse(d, subnormal))) {
-    const V16 exponent = hn::ShiftRight<7>(t);  // arithmetic: floor(t / 128) = E'
-    V16 significand = hn::Or(hn::And(t, hn::Set(d, 0x7F)), hn::Set(d, 0x80));
-    for (int at_least = -2; at_least <= 0; ++at_least) {
-      significand = hn::IfThenElse(exponent > hn::Set(d, static_cast<int16_t>(at_least - 1)),
-                                   hn::Add(significand, significand), significand);
-    }
-    const V16 odd = hn::And(hn::ShiftRight<8>(significand), hn::Set(d, 1));
-    const V16 rounded =
-        hn::ShiftRight<8>(hn::Add(hn::Add(significand, hn::Set(d, 127)), odd));
-    code = hn::IfThenElse(subnormal, rounded, code);
-  }
-  return hn::Or(code, hn::And(hn::ShiftRight<8>(bits), hn::Set(d, 0x80)));
+using DU16 = hn::RebindToUnsigned<D16>;
+using VU16 = hn::Vec<DU16>;
+
+// e4m3 RNE-sat(x * 2^(127-e)) without forming the product, from the magnitude bits
+// a = Ex << 7 | m7 of a finite bf16 x: with c = (e - 7) << 7, t = a - c = E' << 7 | m7 where
+// E' is the e4m3 biased exponent of the product (exact: a power of two only moves the
+// exponent). This is numerics::FloatToE4m3 on the bits, in two parts.
+//
+// EncodeE4m3Normal is exact for every lane except those with E' in [-3, 0] (t in
+// [-384, 128), the e4m3 subnormals): for E' >= 1 it keeps 3 of the 7 mantissa bits rounding
+// to nearest even (a carry rolls into the exponent) and saturates at 0x7E = 448; below
+// E' = -3 the product is under half the smallest step and the code is 0. It works on
+// tb = max(t + 7, 0), one saturating subtraction: (tb + bit 4 of tb) >> 4 is t rounded to
+// nearest even in units of 16 (when t's low bits exceed 8, tb has already carried and the
+// extra bit cannot carry again).
+HWY_INLINE VU16 EncodeE4m3Normal(DU16 du, VU16 a, int e) {
+  const VU16 tb = hn::SaturatedSub(a, hn::Set(du, static_cast<uint16_t>((e - 7) * 128 - 7)));
+  const VU16 odd = hn::And(hn::ShiftRight<4>(tb), hn::Set(du, 1));
+  return hn::Min(hn::ShiftRight<4>(hn::Add(tb, odd)), hn::Set(du, 0x7E));
 }
 
-// V4 (NoPE tiles) and V41 quantization of one row.
+// Zero in the lanes EncodeE4m3Normal may get wrong (t in [-384, 128)), nonzero elsewhere.
+HWY_INLINE VU16 OutsideSubnormalRange(DU16 du, VU16 a, int e) {
+  return hn::ShiftRight<9>(hn::Sub(a, hn::Set(du, static_cast<uint16_t>((e - 10) * 128))));
+}
+
+// `code` with the lanes of t in [-384, 128) recoded exactly: (128 | m7) >> (5 - E') rounded
+// to nearest even, the variable shift done as << (E' + 3), then >> 8 in every lane.
+HWY_INLINE VU16 FixE4m3Subnormals(DU16 du, VU16 a, int e, VU16 code) {
+  const D16 d;
+  const V16 t = hn::Sub(hn::BitCast(d, a), hn::Set(d, static_cast<int16_t>((e - 7) * 128)));
+  const V16 exponent = hn::ShiftRight<7>(t);  // arithmetic: floor(t / 128) = E'
+  V16 significand = hn::Or(hn::And(t, hn::Set(d, 0x7F)), hn::Set(d, 0x80));
+  for (int at_least = -2; at_least <= 0; ++at_least) {
+    significand = hn::IfThenElse(exponent > hn::Set(d, static_cast<int16_t>(at_least - 1)),
+                                 hn::Add(significand, significand), significand);
+  }
+  const V16 odd = hn::And(hn::ShiftRight<8>(significand), hn::Set(d, 1));
+  const V16 rounded = hn::ShiftRight<8>(hn::Add(hn::Add(significand, hn::Set(d, 127)), odd));
+  return hn::IfThenElse(OutsideSubnormalRange(du, a, e) == hn::Zero(du),
+                        hn::BitCast(du, rounded), code);
+}
+
+// Codes the e4m3 tiles of a row into data, tile t under exponent e[t]; with kExact the
+// subnormal fix is applied, without it the result says whether the row needed none.
+template <int kTile, int kTiles, bool kExact>
+HWY_INLINE bool CodeE4m3Tiles(const uint16_t* row, uint8_t* data, const int* e) {
+  const D16 d;
+  const DU16 du;
+  const hn::Rebind<uint8_t, D16> d8;
+  const int n = static_cast<int>(hn::Lanes(d));
+  const VU16 magnitude = hn::Set(du, 0x7FFF), sign = hn::Set(du, 0x80);
+  VU16 nearest = hn::Set(du, 0xFFFF);
+  for (int t = 0; t < kTiles; ++t) {
+    for (int i = t * kTile; i < (t + 1) * kTile; i += n) {
+      const VU16 bits = hn::LoadU(du, row + i);
+      const VU16 a = hn::And(bits, magnitude);
+      VU16 code = EncodeE4m3Normal(du, a, e[t]);
+      if constexpr (kExact) {
+        code = FixE4m3Subnormals(du, a, e[t], code);
+      } else {
+        nearest = hn::Min(nearest, OutsideSubnormalRange(du, a, e[t]));
+      }
+      code = hn::Or(code, hn::And(hn::ShiftRight<8>(bits), sign));
+      hn::StoreU(hn::DemoteTo(d8, hn::BitCast(d, code)), d8, data + i);
+    }
+  }
+  return hn::GetLane(hn::MinOfLanes(du, nearest)) != 0;
+}
+
+// V4 (NoPE tiles) and V41 quantization of one row. The sign bit is copied, so -0 and
+// negative values that round to zero give 0x80, as in the reference.
 template <Layout kLayout>
 void QuantizeE4m3Row(const uint16_t* row, uint8_t* data, uint8_t* scale) {
   constexpr int kTile = GetLayoutInfo(kLayout).tile;
   constexpr int kTiles = (kLayout == Layout::kV4 ? kNopeDim : kHeadDim) / kTile;
   const D16 d;
-  const hn::Rebind<uint8_t, D16> d8;
-  const int n = static_cast<int>(hn::Lanes(d));
-  int amax[kTiles];
+  int e[kTiles];
   int row_max = 0;
   for (int t = 0; t < kTiles; ++t) {
-    amax[t] = TileAmax(d, row + t * kTile, kTile);
-    row_max = std::max(row_max, amax[t]);
+    const int amax = TileAmax(d, row + t * kTile, kTile);
+    row_max = std::max(row_max, amax);
+    const float amax_value = numerics::BitsToFloat(static_cast<uint32_t>(amax) << 16);
+    e[t] = kLayout == Layout::kV4 ? numerics::V4ScaleExponent(amax_value)
+                                  : numerics::V41ScaleExponent(amax_value);
   }
   if (HWY_UNLIKELY(row_max >= kNonFiniteMagnitude)) {
     // Only a transcode of a corrupt record gets here; the reference's rules decide.
     reference::QuantizeRow(kLayout, row, data, scale);
     return;
   }
-  for (int t = 0; t < kTiles; ++t) {
-    const float amax_value = numerics::BitsToFloat(static_cast<uint32_t>(amax[t]) << 16);
-    const int e = kLayout == Layout::kV4 ? numerics::V4ScaleExponent(amax_value)
-                                         : numerics::V41ScaleExponent(amax_value);
-    const V16 bias = hn::Set(d, static_cast<int16_t>((7 - e) * 128));
-    for (int i = t * kTile; i < (t + 1) * kTile; i += n) {
-      hn::StoreU(hn::DemoteTo(d8, EncodeE4m3(d, LoadBf16(d, row + i), bias)), d8, data + i);
-    }
-    scale[t] = static_cast<uint8_t>(e);
-  }
+  // The fix is needed only for values some 2^14 below their tile's amax: rare in real rows,
+  // so a row that has any is coded a second time, exactly.
+  const bool exact = CodeE4m3Tiles<kTile, kTiles, /*kExact=*/false>(row, data, e);
+  if (HWY_UNLIKELY(!exact)) CodeE4m3Tiles<kTile, kTiles, /*kExact=*/true>(row, data, e);
+  for (int t = 0; t < kTiles; ++t) scale[t] = static_cast<uint8_t>(e[t]);
   if constexpr (kLayout == Layout::kV4) {
     std::memcpy(data + kNopeDim, row + kNopeDim, kRopeDim * sizeof(uint16_t));
     scale[7] = 0;
@@ -217,7 +251,7 @@ void QuantizeFp4Row(const uint16_t* row, uint8_t* data, uint8_t* scale, const Fp
     return;
   }
   const V16 magnitude = hn::Set(d, 0x7FFF);
-  const V16 zero = hn::Zero(d);
+  const V16 sign_bit = hn::Set(d, static_cast<int16_t>(0x8000));
   const V16 sign = hn::Set(d, 0x8);
   for (int t = 0; t < kTiles; ++t) {
     const uint8_t s = tables.scale_code[amax[t]];
@@ -225,11 +259,15 @@ void QuantizeFp4Row(const uint16_t* row, uint8_t* data, uint8_t* scale, const Fp
     for (int i = t * kTile; i < (t + 1) * kTile; i += n) {
       const V16 bits = LoadBf16(d, row + i);
       const V16 a = hn::And(bits, magnitude);
-      V16 code = zero;
-      for (int k = 0; k < 7; ++k) {
-        code = hn::Sub(code, hn::VecFromMask(d, a > hn::Set(d, thresholds[k])));
-      }
-      code = hn::Or(code, hn::IfThenZeroElse(a == zero, hn::And(hn::ShiftRight<12>(bits), sign)));
+      // Each exceeded threshold is a -1 lane; summed as a tree, not a chain of 7.
+      auto above = [&](int k) HWY_ATTR {
+        return hn::VecFromMask(d, a > hn::Set(d, thresholds[k]));
+      };
+      const V16 minus_code = hn::Add(hn::Add(hn::Add(above(0), above(1)), hn::Add(above(2), above(3))),
+                                     hn::Add(hn::Add(above(4), above(5)), above(6)));
+      // Negative and nonzero: bits above 0x8000, i.e. bits ^ 0x8000 above 0 as int16.
+      const V16 negative = hn::VecFromMask(d, hn::Xor(bits, sign_bit) > hn::Zero(d));
+      const V16 code = hn::Or(hn::Neg(minus_code), hn::And(negative, sign));
       // Two codes per 32-bit lane (dim 2j low, 2j+1 high) -> one byte: low | high << 4.
       auto pairs = hn::BitCast(d32, code);
       pairs = hn::And(hn::Or(pairs, hn::ShiftRight<12>(pairs)), hn::Set(d32, 0xFF));
