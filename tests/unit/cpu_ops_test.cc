@@ -323,6 +323,10 @@ TEST_F(CpuInvalidTest, NonFiniteRowsAreRejectedWithTheFirstBadValue) {
   ExpectStoreRejected(g, rows, testing::ScatteredLocations(2000, g.num_tokens(), 1));
   rows[3] = 0x7F80;
   ExpectStoreRejected(g, rows, testing::ScatteredLocations(2000, g.num_tokens(), 1));
+  // In V4's RoPE dims, which are copied rather than quantized: still rejected.
+  auto rope = testing::RandomRows(2000, 9);
+  rope[1500 * 512 + 500] = 0xFFC0;
+  ExpectStoreRejected(g, rope, testing::ScatteredLocations(2000, g.num_tokens(), 1));
 }
 
 TEST_F(CpuInvalidTest, BadShapesGeometriesAndLocationsAreRejected) {

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "absl/functional/function_ref.h"
@@ -28,19 +29,6 @@ void ForEach(ThreadPool* workers, int64_t n, int64_t min_grain,
   } else {
     workers->ParallelFor(n, min_grain, fn);
   }
-}
-
-// ValidateFinite, vectorized and split; on a hit the shared validator finds the first
-// non-finite value, so the message is the reference's.
-absl::Status CheckFinite(std::span<const uint16_t> rows, ThreadPool* workers) {
-  std::atomic<bool> finite{true};
-  ForEach(workers, static_cast<int64_t>(rows.size()), kBytesPerTask / 2,
-          [&](int64_t begin, int64_t end) {
-            if (!internal::AllFinite(rows.data() + begin, end - begin)) {
-              finite.store(false, std::memory_order_relaxed);
-            }
-          });
-  return finite.load() ? absl::OkStatus() : ValidateFinite(rows);
 }
 
 // ValidateLocations with the repeat check in a bitmap where the range is not much larger
@@ -92,13 +80,26 @@ absl::Status QuantizeStore(const PoolGeometry& geometry, std::span<const uint16_
   KVF_RETURN_IF_ERROR(ValidateSpanBytes(pool.size(), geometry.pool_bytes(), "pool"));
   KVF_RETURN_IF_ERROR(ValidateRowShape(static_cast<int64_t>(rows.size()),
                                        static_cast<int64_t>(locs.size())));
-  KVF_RETURN_IF_ERROR(CheckFinite(rows, workers));
+  // Pass 1 reads every row once for both the finite check and the tile scales, so the
+  // check costs no pass of its own; pass 2 codes the rows under those scales.
+  const int64_t n = static_cast<int64_t>(locs.size());
+  const int scale_bytes = GetLayoutInfo(geometry.layout).scale_bytes;
+  const std::unique_ptr<uint8_t[]> scales(new uint8_t[n * scale_bytes]);
+  std::atomic<bool> finite{true};
+  ForEach(workers, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    if (!internal::ScaleRows(geometry.layout, rows.data() + begin * kHeadDim, end - begin,
+                             scales.get() + begin * scale_bytes)) {
+      finite.store(false, std::memory_order_relaxed);
+    }
+  });
+  // The shared validator finds the first non-finite value, for the reference's message.
+  if (!finite.load()) return ValidateFinite(rows);
   KVF_RETURN_IF_ERROR(CheckLocations(locs, geometry.num_tokens(), /*unique=*/true));
-  ForEach(workers, static_cast<int64_t>(locs.size()), kRowsPerTask,
-          [&](int64_t begin, int64_t end) {
-            internal::QuantizeRows(geometry, rows.data() + begin * kHeadDim, locs.data() + begin,
-                                   end - begin, pool.data());
-          });
+  ForEach(workers, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    internal::EncodeRows(geometry, rows.data() + begin * kHeadDim,
+                         scales.get() + begin * scale_bytes, locs.data() + begin, end - begin,
+                         pool.data());
+  });
   return absl::OkStatus();
 }
 

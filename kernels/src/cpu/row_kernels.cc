@@ -67,28 +67,17 @@ HWY_INLINE void PrefetchRecord(const uint8_t* data, int data_bytes, const uint8_
 // bf16 magnitudes at or above this are NaN or Inf.
 constexpr int kNonFiniteMagnitude = 0x7F80;
 
-bool AllFiniteImpl(const uint16_t* values, int64_t count) {
-  const hn::ScalableTag<int16_t> d;
-  const int64_t n = static_cast<int64_t>(hn::Lanes(d));
-  const int16_t* p = reinterpret_cast<const int16_t*>(values);
-  const auto magnitude = hn::Set(d, 0x7FFF);
-  auto max0 = hn::Zero(d), max1 = hn::Zero(d);
-  int64_t i = 0;
-  for (; i + 2 * n <= count; i += 2 * n) {
-    max0 = hn::Max(max0, hn::And(hn::LoadU(d, p + i), magnitude));
-    max1 = hn::Max(max1, hn::And(hn::LoadU(d, p + i + n), magnitude));
-  }
-  for (; i + n <= count; i += n) max0 = hn::Max(max0, hn::And(hn::LoadU(d, p + i), magnitude));
-  int max = hn::GetLane(hn::MaxOfLanes(d, hn::Max(max0, max1)));
-  for (; i < count; ++i) max = std::max(max, values[i] & 0x7FFF);
-  return max < kNonFiniteMagnitude;
-}
-
 #if HWY_TARGET == HWY_SCALAR
 
 // One-lane vectors gain nothing over the reference's loops, so this target runs them.
-void QuantizeRow(Layout layout, const uint16_t* row, uint8_t* data, uint8_t* scale,
-                 const Fp4Tables&) {
+bool ScaleRow(Layout layout, const uint16_t* row, uint8_t* scale, const Fp4Tables&) {
+  uint8_t data[kHeadDim * 2];
+  reference::QuantizeRow(layout, row, data, scale);
+  return std::none_of(row, row + kHeadDim, numerics::Bf16IsNonFinite);
+}
+void EncodeRow(Layout layout, const uint16_t* row, const uint8_t*, uint8_t* data,
+               const Fp4Tables&) {
+  uint8_t scale[kHeadDim / 16];
   reference::QuantizeRow(layout, row, data, scale);
 }
 void DequantizeRow(Layout layout, const uint8_t* data, const uint8_t* scale, uint16_t* row,
@@ -173,7 +162,7 @@ HWY_INLINE VU16 FixE4m3Subnormals(DU16 du, VU16 a, int e, VU16 code) {
 // Codes the e4m3 tiles of a row into data, tile t under exponent e[t]; with kExact the
 // subnormal fix is applied, without it the result says whether the row needed none.
 template <int kTile, int kTiles, bool kExact>
-HWY_INLINE bool CodeE4m3Tiles(const uint16_t* row, uint8_t* data, const int* e) {
+HWY_INLINE bool CodeE4m3Tiles(const uint16_t* row, uint8_t* data, const uint8_t* e) {
   const D16 d;
   const DU16 du;
   const hn::Rebind<uint8_t, D16> d8;
@@ -197,65 +186,66 @@ HWY_INLINE bool CodeE4m3Tiles(const uint16_t* row, uint8_t* data, const int* e) 
   return hn::GetLane(hn::MinOfLanes(du, nearest)) != 0;
 }
 
-// V4 (NoPE tiles) and V41 quantization of one row. The sign bit is copied, so -0 and
-// negative values that round to zero give 0x80, as in the reference.
+// The scale row of a row into scale: V4 7 exponents and the zero pad byte, V41 16
+// exponents, V41_FP4 32 e4m3 codes. False if the row holds NaN or Inf (all 512 values are
+// looked at, V4's RoPE dims too), and the scale row is then meaningless.
 template <Layout kLayout>
-void QuantizeE4m3Row(const uint16_t* row, uint8_t* data, uint8_t* scale) {
+bool ScaleRowT(const uint16_t* row, uint8_t* scale, const Fp4Tables& tables) {
   constexpr int kTile = GetLayoutInfo(kLayout).tile;
   constexpr int kTiles = (kLayout == Layout::kV4 ? kNopeDim : kHeadDim) / kTile;
   const D16 d;
-  int e[kTiles];
   int row_max = 0;
   for (int t = 0; t < kTiles; ++t) {
     const int amax = TileAmax(d, row + t * kTile, kTile);
     row_max = std::max(row_max, amax);
     const float amax_value = numerics::BitsToFloat(static_cast<uint32_t>(amax) << 16);
-    e[t] = kLayout == Layout::kV4 ? numerics::V4ScaleExponent(amax_value)
-                                  : numerics::V41ScaleExponent(amax_value);
+    if constexpr (kLayout == Layout::kV4) {
+      scale[t] = numerics::V4ScaleExponent(amax_value);
+    } else if constexpr (kLayout == Layout::kV41) {
+      scale[t] = numerics::V41ScaleExponent(amax_value);
+    } else {
+      scale[t] = tables.scale_code[amax];
+    }
   }
-  if (HWY_UNLIKELY(row_max >= kNonFiniteMagnitude)) {
-    // Only a transcode of a corrupt record gets here; the reference's rules decide.
-    reference::QuantizeRow(kLayout, row, data, scale);
-    return;
+  if constexpr (kLayout == Layout::kV4) {
+    row_max = std::max(row_max, TileAmax(d, row + kNopeDim, kRopeDim));
+    scale[7] = 0;
   }
+  return row_max < kNonFiniteMagnitude;
+}
+
+// V4 (NoPE tiles and the copied RoPE dims) and V41 codes of a finite row under its scale
+// row. The sign bit is copied, so -0 and negative values that round to zero give 0x80, as in
+// the reference.
+template <Layout kLayout>
+void EncodeE4m3Row(const uint16_t* row, const uint8_t* scale, uint8_t* data) {
+  constexpr int kTile = GetLayoutInfo(kLayout).tile;
+  constexpr int kTiles = (kLayout == Layout::kV4 ? kNopeDim : kHeadDim) / kTile;
   // The fix is needed only for values some 2^14 below their tile's amax: rare in real rows,
   // so a row that has any is coded a second time, exactly.
-  const bool exact = CodeE4m3Tiles<kTile, kTiles, /*kExact=*/false>(row, data, e);
-  if (HWY_UNLIKELY(!exact)) CodeE4m3Tiles<kTile, kTiles, /*kExact=*/true>(row, data, e);
-  for (int t = 0; t < kTiles; ++t) scale[t] = static_cast<uint8_t>(e[t]);
+  const bool exact = CodeE4m3Tiles<kTile, kTiles, /*kExact=*/false>(row, data, scale);
+  if (HWY_UNLIKELY(!exact)) CodeE4m3Tiles<kTile, kTiles, /*kExact=*/true>(row, data, scale);
   if constexpr (kLayout == Layout::kV4) {
     std::memcpy(data + kNopeDim, row + kNopeDim, kRopeDim * sizeof(uint16_t));
-    scale[7] = 0;
   }
 }
 
-// V41_FP4 quantization of one row: the scale code and the e2m1 codes by table (see
-// Fp4Tables); a code is the count of thresholds the magnitude exceeds. The sign is kept for
-// every nonzero value (|x| / S >= 2^-142 never rounds to zero in fp32) and dropped for -0,
-// as the reference's "+ 0.0f" does.
-void QuantizeFp4Row(const uint16_t* row, uint8_t* data, uint8_t* scale, const Fp4Tables& tables) {
+// V41_FP4 codes of a finite row under its scale codes, by table (see Fp4Tables): a code is
+// the count of thresholds the magnitude exceeds. The sign is kept for every nonzero value
+// (|x| / S >= 2^-142 never rounds to zero in fp32) and dropped for -0, as the reference's
+// "+ 0.0f" does.
+void EncodeFp4Row(const uint16_t* row, const uint8_t* scale, uint8_t* data,
+                  const Fp4Tables& tables) {
   constexpr int kTile = 16;
-  constexpr int kTiles = kHeadDim / kTile;
   const D16 d;
   const hn::Repartition<int32_t, D16> d32;
   const hn::Rebind<uint8_t, decltype(d32)> d8;
   const int n = static_cast<int>(hn::Lanes(d));
-  int amax[kTiles];
-  int row_max = 0;
-  for (int t = 0; t < kTiles; ++t) {
-    amax[t] = TileAmax(d, row + t * kTile, kTile);
-    row_max = std::max(row_max, amax[t]);
-  }
-  if (HWY_UNLIKELY(row_max >= kNonFiniteMagnitude)) {
-    reference::QuantizeRow(Layout::kV41Fp4, row, data, scale);
-    return;
-  }
   const V16 magnitude = hn::Set(d, 0x7FFF);
   const V16 sign_bit = hn::Set(d, static_cast<int16_t>(0x8000));
   const V16 sign = hn::Set(d, 0x8);
-  for (int t = 0; t < kTiles; ++t) {
-    const uint8_t s = tables.scale_code[amax[t]];
-    const int16_t* thresholds = tables.thresholds[s];
+  for (int t = 0; t < kHeadDim / kTile; ++t) {
+    const int16_t* thresholds = tables.thresholds[scale[t]];
     for (int i = t * kTile; i < (t + 1) * kTile; i += n) {
       const V16 bits = LoadBf16(d, row + i);
       const V16 a = hn::And(bits, magnitude);
@@ -263,8 +253,9 @@ void QuantizeFp4Row(const uint16_t* row, uint8_t* data, uint8_t* scale, const Fp
       auto above = [&](int k) HWY_ATTR {
         return hn::VecFromMask(d, a > hn::Set(d, thresholds[k]));
       };
-      const V16 minus_code = hn::Add(hn::Add(hn::Add(above(0), above(1)), hn::Add(above(2), above(3))),
-                                     hn::Add(hn::Add(above(4), above(5)), above(6)));
+      const V16 minus_code =
+          hn::Add(hn::Add(hn::Add(above(0), above(1)), hn::Add(above(2), above(3))),
+                  hn::Add(hn::Add(above(4), above(5)), above(6)));
       // Negative and nonzero: bits above 0x8000, i.e. bits ^ 0x8000 above 0 as int16.
       const V16 negative = hn::VecFromMask(d, hn::Xor(bits, sign_bit) > hn::Zero(d));
       const V16 code = hn::Or(hn::Neg(minus_code), hn::And(negative, sign));
@@ -273,7 +264,6 @@ void QuantizeFp4Row(const uint16_t* row, uint8_t* data, uint8_t* scale, const Fp
       pairs = hn::And(hn::Or(pairs, hn::ShiftRight<12>(pairs)), hn::Set(d32, 0xFF));
       hn::StoreU(hn::DemoteTo(d8, pairs), d8, data + i / 2);
     }
-    scale[t] = s;
   }
 }
 
@@ -354,15 +344,27 @@ void DequantizeFp4Row(const uint8_t* data, const uint8_t* scale, uint16_t* row,
   }
 }
 
-void QuantizeRow(Layout layout, const uint16_t* row, uint8_t* data, uint8_t* scale,
-                 const Fp4Tables& tables) {
+bool ScaleRow(Layout layout, const uint16_t* row, uint8_t* scale, const Fp4Tables& tables) {
   switch (layout) {
     case Layout::kV4:
-      return QuantizeE4m3Row<Layout::kV4>(row, data, scale);
+      return ScaleRowT<Layout::kV4>(row, scale, tables);
     case Layout::kV41:
-      return QuantizeE4m3Row<Layout::kV41>(row, data, scale);
+      return ScaleRowT<Layout::kV41>(row, scale, tables);
     case Layout::kV41Fp4:
-      return QuantizeFp4Row(row, data, scale, tables);
+      return ScaleRowT<Layout::kV41Fp4>(row, scale, tables);
+  }
+  return false;
+}
+
+void EncodeRow(Layout layout, const uint16_t* row, const uint8_t* scale, uint8_t* data,
+               const Fp4Tables& tables) {
+  switch (layout) {
+    case Layout::kV4:
+      return EncodeE4m3Row<Layout::kV4>(row, scale, data);
+    case Layout::kV41:
+      return EncodeE4m3Row<Layout::kV41>(row, scale, data);
+    case Layout::kV41Fp4:
+      return EncodeFp4Row(row, scale, data, tables);
   }
 }
 
@@ -382,18 +384,44 @@ void DequantizeRow(Layout layout, const uint8_t* data, const uint8_t* scale, uin
 
 int64_t TargetImpl() { return HWY_TARGET; }
 
-void QuantizeRowsImpl(const PoolGeometry& geometry, const uint16_t* rows, const int64_t* locs,
-                      int64_t count, uint8_t* pool) {
+// A row into its record: the reference's rules for a row with NaN or Inf (only a transcode
+// of a corrupt record meets one).
+void QuantizeRow(Layout layout, const uint16_t* row, uint8_t* data, uint8_t* scale,
+                 const Fp4Tables& tables) {
+  alignas(32) uint8_t scale_row[kHeadDim / 16];
+  if (HWY_UNLIKELY(!ScaleRow(layout, row, scale_row, tables))) {
+    reference::QuantizeRow(layout, row, data, scale);
+    return;
+  }
+  EncodeRow(layout, row, scale_row, data, tables);
+  std::memcpy(scale, scale_row, GetLayoutInfo(layout).scale_bytes);
+}
+
+bool ScaleRowsImpl(Layout layout, const uint16_t* rows, int64_t count, uint8_t* scales) {
+  const Fp4Tables& tables = Fp4Tables::Get();
+  const int scale_bytes = GetLayoutInfo(layout).scale_bytes;
+  bool finite = true;
+  for (int64_t i = 0; i < count; ++i) {
+    finite &= ScaleRow(layout, rows + i * kHeadDim, scales + i * scale_bytes, tables);
+  }
+  return finite;
+}
+
+void EncodeRowsImpl(const PoolGeometry& geometry, const uint16_t* rows, const uint8_t* scales,
+                    const int64_t* locs, int64_t count, uint8_t* pool) {
   const Addressing locate(geometry);
   const Fp4Tables& tables = Fp4Tables::Get();
   const int data_bytes = static_cast<int>(locate.data_bytes);
+  const int scale_bytes = static_cast<int>(locate.scale_bytes);
   for (int64_t i = 0; i < count; ++i) {
     if (i + kPrefetchRows < count) {
       const RecordOffsets ahead = locate(locs[i + kPrefetchRows]);
       PrefetchRecord(pool + ahead.data, data_bytes, pool + ahead.scale, /*for_write=*/true);
     }
     const RecordOffsets at = locate(locs[i]);
-    QuantizeRow(geometry.layout, rows + i * kHeadDim, pool + at.data, pool + at.scale, tables);
+    const uint8_t* scale = scales + i * scale_bytes;
+    EncodeRow(geometry.layout, rows + i * kHeadDim, scale, pool + at.data, tables);
+    std::memcpy(pool + at.scale, scale, scale_bytes);
   }
 }
 
@@ -434,8 +462,8 @@ HWY_AFTER_NAMESPACE();
 namespace kvferry::cpu::internal {
 
 HWY_EXPORT(TargetImpl);
-HWY_EXPORT(AllFiniteImpl);
-HWY_EXPORT(QuantizeRowsImpl);
+HWY_EXPORT(ScaleRowsImpl);
+HWY_EXPORT(EncodeRowsImpl);
 HWY_EXPORT(DequantizeRowsImpl);
 HWY_EXPORT(TranscodeRowsImpl);
 
@@ -443,13 +471,13 @@ const char* DispatchedTargetName() {
   return hwy::TargetName(HWY_DYNAMIC_DISPATCH(TargetImpl)());
 }
 
-bool AllFinite(const uint16_t* values, int64_t count) {
-  return HWY_DYNAMIC_DISPATCH(AllFiniteImpl)(values, count);
+bool ScaleRows(Layout layout, const uint16_t* rows, int64_t count, uint8_t* scales) {
+  return HWY_DYNAMIC_DISPATCH(ScaleRowsImpl)(layout, rows, count, scales);
 }
 
-void QuantizeRows(const PoolGeometry& geometry, const uint16_t* rows, const int64_t* locs,
-                  int64_t count, uint8_t* pool) {
-  HWY_DYNAMIC_DISPATCH(QuantizeRowsImpl)(geometry, rows, locs, count, pool);
+void EncodeRows(const PoolGeometry& geometry, const uint16_t* rows, const uint8_t* scales,
+                const int64_t* locs, int64_t count, uint8_t* pool) {
+  HWY_DYNAMIC_DISPATCH(EncodeRowsImpl)(geometry, rows, scales, locs, count, pool);
 }
 
 void DequantizeRows(const PoolGeometry& geometry, const uint8_t* pool, const int64_t* locs,

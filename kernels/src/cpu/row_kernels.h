@@ -8,12 +8,13 @@
 
 namespace kvferry::cpu::internal {
 
-// True when none of `count` bf16 values is NaN or ±Inf.
-bool AllFinite(const uint16_t* values, int64_t count);
-
-// rows[i] ([count, 512] bf16) into the record of locs[i].
-void QuantizeRows(const PoolGeometry& geometry, const uint16_t* rows, const int64_t* locs,
-                  int64_t count, uint8_t* pool);
+// A store in two passes, so that nothing is written before every row is known finite.
+// ScaleRows: the scale row of each of `count` rows ([count, 512] bf16) into
+// scales[i * scale_bytes ..); false if any value is NaN or Inf.
+bool ScaleRows(Layout layout, const uint16_t* rows, int64_t count, uint8_t* scales);
+// EncodeRows: rows[i] under scale row i into the record of locs[i] (data and scale row).
+void EncodeRows(const PoolGeometry& geometry, const uint16_t* rows, const uint8_t* scales,
+                const int64_t* locs, int64_t count, uint8_t* pool);
 
 // The record of locs[i] into out[i * out_row_stride .. +512).
 void DequantizeRows(const PoolGeometry& geometry, const uint8_t* pool, const int64_t* locs,
