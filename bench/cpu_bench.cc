@@ -38,7 +38,8 @@ double MedianSeconds(int reps, const std::function<void()>& fn) {
   for (int r = 0; r < reps; ++r) {
     const auto start = std::chrono::steady_clock::now();
     fn();
-    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    times.push_back(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
   std::sort(times.begin(), times.end());
   return times[times.size() / 2];
@@ -58,13 +59,13 @@ class Table {
   // One figure: `bytes_per_token` moved per token, `seconds` for `tokens` tokens; `all`
   // says which copy rate it is compared with; `reference_seconds` (0: none) the
   // reference's time for the same call.
-  void Add(const std::string& op, const std::string& layout, const std::string& locations,
-           bool all, int64_t tokens, double bytes_per_token, double seconds,
-           double reference_seconds = 0) {
+  void Add(const std::string& op, const std::string& layout, const std::string& locations, bool all,
+           int64_t tokens, double bytes_per_token, double seconds, double reference_seconds = 0) {
     const double gbs = tokens * bytes_per_token / seconds / 1e9;
     char line[320];
     char speedup[32] = "";
-    if (reference_seconds > 0) std::snprintf(speedup, sizeof(speedup), "%.1f×", reference_seconds / seconds);
+    if (reference_seconds > 0)
+      std::snprintf(speedup, sizeof(speedup), "%.1f×", reference_seconds / seconds);
     std::snprintf(line, sizeof(line), "| %s | %s | %s | %s | %.3g M | %.2f | %.0f %% | %s |\n",
                   op.c_str(), layout.c_str(), locations.c_str(), all ? "all" : "1",
                   tokens / seconds / 1e6, gbs, 100 * gbs / copy_[all ? 1 : 0], speedup);
@@ -79,7 +80,8 @@ class Table {
 int Main(int argc, char** argv) {
   Options o;
   for (int i = 1; i + 1 < argc; i += 2) {
-    if (!std::strcmp(argv[i], "--tokens")) o.tokens = std::max<int64_t>(kPageSize, std::atoll(argv[i + 1]));
+    if (!std::strcmp(argv[i], "--tokens"))
+      o.tokens = std::max<int64_t>(kPageSize, std::atoll(argv[i + 1]));
     if (!std::strcmp(argv[i], "--threads")) o.threads = std::max(1, std::atoi(argv[i + 1]));
     if (!std::strcmp(argv[i], "--reps")) o.reps = std::max(1, std::atoi(argv[i + 1]));
   }
@@ -91,14 +93,22 @@ int Main(int argc, char** argv) {
   // cores; GB/s counts bytes read plus bytes written.
   std::vector<uint8_t> copy_src(n * kBf16RowBytes, 1), copy_dst(copy_src.size(), 2);
   const double copy_bytes = 2.0 * static_cast<double>(copy_src.size());
-  const double copy_1 = copy_bytes / MedianSeconds(o.reps, [&] {
-    std::memcpy(copy_dst.data(), copy_src.data(), copy_src.size());
-  }) / 1e9;
-  const double copy_all = copy_bytes / MedianSeconds(o.reps, [&] {
-    workers.ParallelFor(static_cast<int64_t>(copy_src.size()), 1 << 20, [&](int64_t b, int64_t e) {
-      std::memcpy(copy_dst.data() + b, copy_src.data() + b, e - b);
-    });
-  }) / 1e9;
+  const double copy_1 =
+      copy_bytes /
+      MedianSeconds(o.reps,
+                    [&] { std::memcpy(copy_dst.data(), copy_src.data(), copy_src.size()); }) /
+      1e9;
+  const double copy_all =
+      copy_bytes /
+      MedianSeconds(o.reps,
+                    [&] {
+                      workers.ParallelFor(static_cast<int64_t>(copy_src.size()), 1 << 20,
+                                          [&](int64_t b, int64_t e) {
+                                            std::memcpy(copy_dst.data() + b, copy_src.data() + b,
+                                                        e - b);
+                                          });
+                    }) /
+      1e9;
   copy_src = {};
   copy_dst = {};
   std::printf("cpu_bench: %lld tokens, page size %d, %d threads for \"all\", target %s\n",
@@ -127,33 +137,42 @@ int Main(int argc, char** argv) {
     const double bytes = kBf16RowBytes + kLocationBytes + record;
     for (const std::vector<int64_t>* locs : {&sequential, &scattered}) {
       const char* order = locs == &sequential ? "sequential" : "scattered";
-      const double ref = MedianSeconds(1, [&] { Check(reference::QuantizeStore(g, rows, *locs, pool)); });
+      const double ref =
+          MedianSeconds(1, [&] { Check(reference::QuantizeStore(g, rows, *locs, pool)); });
       table.Add("quantize-store", LayoutName(layout), order, false, n, bytes,
-                MedianSeconds(o.reps, [&] { Check(cpu::QuantizeStore(g, rows, *locs, pool)); }), ref);
-      table.Add("quantize-store", LayoutName(layout), order, true, n, bytes,
-                MedianSeconds(o.reps, [&] { Check(cpu::QuantizeStore(g, rows, *locs, pool, &workers)); }),
+                MedianSeconds(o.reps, [&] { Check(cpu::QuantizeStore(g, rows, *locs, pool)); }),
                 ref);
+      table.Add(
+          "quantize-store", LayoutName(layout), order, true, n, bytes,
+          MedianSeconds(o.reps, [&] { Check(cpu::QuantizeStore(g, rows, *locs, pool, &workers)); }),
+          ref);
     }
     for (const std::vector<int64_t>* locs : {&sequential, &scattered}) {
       const char* order = locs == &sequential ? "sequential" : "scattered";
-      const double ref = MedianSeconds(1, [&] { Check(reference::DequantizeGather(g, pool, *locs, out)); });
+      const double ref =
+          MedianSeconds(1, [&] { Check(reference::DequantizeGather(g, pool, *locs, out)); });
       table.Add("dequantize-gather", LayoutName(layout), order, false, n, bytes,
-                MedianSeconds(o.reps, [&] { Check(cpu::DequantizeGather(g, pool, *locs, out)); }), ref);
+                MedianSeconds(o.reps, [&] { Check(cpu::DequantizeGather(g, pool, *locs, out)); }),
+                ref);
       table.Add("dequantize-gather", LayoutName(layout), order, true, n, bytes,
-                MedianSeconds(o.reps, [&] {
-                  Check(cpu::DequantizeGather(g, pool, *locs, out, kHeadDim, &workers));
-                }),
+                MedianSeconds(
+                    o.reps,
+                    [&] { Check(cpu::DequantizeGather(g, pool, *locs, out, kHeadDim, &workers)); }),
                 ref);
     }
     if (layout != Layout::kV4) {
       const PoolGeometry to{Layout::kV4, kPageSize, g.num_pages};
       std::vector<uint8_t> dst(to.pool_bytes(), 0);
-      const double transcode_bytes = record + kLocationBytes + GetLayoutInfo(Layout::kV4).bytes_per_token();
-      const double ref = MedianSeconds(1, [&] { Check(reference::Transcode(g, pool, to, dst, sequential)); });
+      const double transcode_bytes =
+          record + kLocationBytes + GetLayoutInfo(Layout::kV4).bytes_per_token();
+      const double ref =
+          MedianSeconds(1, [&] { Check(reference::Transcode(g, pool, to, dst, sequential)); });
       table.Add("transcode to v4", LayoutName(layout), "sequential", false, n, transcode_bytes,
-                MedianSeconds(o.reps, [&] { Check(cpu::Transcode(g, pool, to, dst, sequential)); }), ref);
+                MedianSeconds(o.reps, [&] { Check(cpu::Transcode(g, pool, to, dst, sequential)); }),
+                ref);
       table.Add("transcode to v4", LayoutName(layout), "sequential", true, n, transcode_bytes,
-                MedianSeconds(o.reps, [&] { Check(cpu::Transcode(g, pool, to, dst, sequential, &workers)); }),
+                MedianSeconds(
+                    o.reps, [&] { Check(cpu::Transcode(g, pool, to, dst, sequential, &workers)); }),
                 ref);
     }
   }
@@ -171,10 +190,14 @@ int Main(int argc, char** argv) {
     cpu::ThreadPool* w = all ? &workers : nullptr;
     table.Add("gather pages", "v4", "every other page", all, n, page_copy_bytes,
               MedianSeconds(o.reps, [&] { Check(cpu::GatherPages(pg, pool, pages, buffer, w)); }),
-              all ? 0 : MedianSeconds(1, [&] { Check(reference::GatherPages(pg, pool, pages, buffer)); }));
+              all ? 0 : MedianSeconds(1, [&] {
+                Check(reference::GatherPages(pg, pool, pages, buffer));
+              }));
     table.Add("scatter pages", "v4", "every other page", all, n, page_copy_bytes,
               MedianSeconds(o.reps, [&] { Check(cpu::ScatterPages(pg, buffer, pages, pool, w)); }),
-              all ? 0 : MedianSeconds(1, [&] { Check(reference::ScatterPages(pg, buffer, pages, pool)); }));
+              all ? 0 : MedianSeconds(1, [&] {
+                Check(reference::ScatterPages(pg, buffer, pages, pool));
+              }));
     table.Add("zero pages", "v4", "every other page", all, n, page_copy_bytes / 2,
               MedianSeconds(o.reps, [&] { Check(cpu::ZeroPages(pg, pages, pool, w)); }),
               all ? 0 : MedianSeconds(1, [&] { Check(reference::ZeroPages(pg, pages, pool)); }));

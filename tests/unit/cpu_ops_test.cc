@@ -34,9 +34,7 @@ TEST(CpuTargetsTest, DispatchFollowsTheForcedTarget) {
   const std::vector<int64_t> targets = testing::CpuTargets();
   ASSERT_FALSE(targets.empty());
   std::string names;
-  ForEachCpuTarget([&] {
-    names += std::string(cpu::DispatchedTargetName()) + " ";
-  });
+  ForEachCpuTarget([&] { names += std::string(cpu::DispatchedTargetName()) + " "; });
   std::string expected;
   for (const int64_t t : targets) expected += std::string(hwy::TargetName(t)) + " ";
   EXPECT_EQ(names, expected);
@@ -81,9 +79,9 @@ TEST_P(CpuGoldenTest, DequantizeGatherReproducesRows) {
   const auto golden = ReadArray<uint16_t>(c_.file("dequant." + Name() + ".bf16"));
   ForEachCpuTarget([&] {
     std::vector<uint16_t> rows(locs.size() * kHeadDim, 0xFFFF);
-    ASSERT_TRUE(cpu::DequantizeGather(c_.geometry(GetParam().layout), pool, locs, rows,
-                                      kHeadDim, &workers_)
-                    .ok());
+    ASSERT_TRUE(
+        cpu::DequantizeGather(c_.geometry(GetParam().layout), pool, locs, rows, kHeadDim, &workers_)
+            .ok());
     EXPECT_EQ(FirstDifference(rows, golden), -1);
   });
 }
@@ -95,8 +93,7 @@ TEST_P(CpuGoldenTest, TranscodeToV4ReproducesGolden) {
   const PoolGeometry to = c_.geometry(Layout::kV4);
   ForEachCpuTarget([&] {
     std::vector<uint8_t> dst(to.pool_bytes(), 0);
-    ASSERT_TRUE(
-        cpu::Transcode(c_.geometry(GetParam().layout), src, to, dst, locs, &workers_).ok());
+    ASSERT_TRUE(cpu::Transcode(c_.geometry(GetParam().layout), src, to, dst, locs, &workers_).ok());
     EXPECT_EQ(FirstDifference(dst, golden), -1);
   });
 }
@@ -130,7 +127,8 @@ struct RowSet {
 };
 
 std::vector<RowSet> RowSets(const PoolGeometry& g, int64_t n) {
-  return {{"latent_scattered", testing::RandomRows(n, 31), testing::ScatteredLocations(n, g.num_tokens(), 32)},
+  return {{"latent_scattered", testing::RandomRows(n, 31),
+           testing::ScatteredLocations(n, g.num_tokens(), 32)},
           {"adversarial_scattered", testing::AdversarialRows(n, 33),
            testing::ScatteredLocations(n, g.num_tokens(), 34)},
           {"adversarial_sequential", testing::AdversarialRows(n, 35),
@@ -175,7 +173,8 @@ TEST_P(CpuVsReferenceTest, DequantizeGatherMatchesReferenceWithRepeatsAndStrides
       std::vector<int64_t> reads = set.locs;
       for (int i = 0; i < 100; ++i) reads.push_back(set.locs[(i * 7) % set.locs.size()]);
       for (int64_t loc = 0; loc < 40; ++loc) reads.push_back(loc);
-      for (const int64_t stride : {int64_t{kHeadDim}, int64_t{kHeadDim + 3}, int64_t{2 * kHeadDim}}) {
+      for (const int64_t stride :
+           {int64_t{kHeadDim}, int64_t{kHeadDim + 3}, int64_t{2 * kHeadDim}}) {
         const size_t size = (reads.size() - 1) * stride + kHeadDim;
         std::vector<uint16_t> expected(size, 0xBEEF);
         ASSERT_TRUE(reference::DequantizeGather(g, pool, reads, expected, stride).ok());
@@ -272,6 +271,46 @@ TEST(CpuThreadsTest, LargeRequestsGiveTheSameBytesOnAnyPoolSize) {
   }
 }
 
+// A span of `size` bytes inside `storage` starting `misalign` bytes past a 64-byte boundary.
+template <typename T>
+std::span<T> AtAlignment(std::vector<T>& storage, size_t size, size_t misalign) {
+  storage.assign(size + 128 / sizeof(T), T{0x5A});
+  const auto address = reinterpret_cast<uintptr_t>(storage.data());
+  const size_t skip = ((64 - address % 64) % 64 + misalign) / sizeof(T);
+  return std::span<T>(storage).subspan(skip, size);
+}
+
+TEST(CpuStreamingTest, OutputsBeyondTheCachesGiveTheReferenceBytesAtAnyAlignment) {
+  // 16384 V4 records (9.6 MB) and workspace rows (16 MiB): past the size where the cpu path
+  // writes with non-temporal stores.
+  const PoolGeometry g{Layout::kV4, 64, 300};
+  const int64_t n = 16384;
+  auto rows = testing::AdversarialRows(n, 51);
+  const auto latent = testing::RandomRows(n / 2, 52);
+  std::copy(latent.begin(), latent.end(), rows.begin());
+  const auto locs = testing::ScatteredLocations(n, g.num_tokens(), 53);
+  std::vector<uint8_t> expected(g.pool_bytes(), 0);
+  ASSERT_TRUE(reference::QuantizeStore(g, rows, locs, expected).ok());
+  std::vector<uint16_t> expected_rows(rows.size());
+  ASSERT_TRUE(reference::DequantizeGather(g, expected, locs, expected_rows).ok());
+  cpu::ThreadPool workers(2);
+  ForEachCpuTarget([&] {
+    for (const size_t misalign : {0, 24}) {
+      for (cpu::ThreadPool* threads : {static_cast<cpu::ThreadPool*>(nullptr), &workers}) {
+        std::vector<uint8_t> pool_storage;
+        const std::span<uint8_t> pool = AtAlignment(pool_storage, g.pool_bytes(), misalign);
+        std::fill(pool.begin(), pool.end(), 0);
+        ASSERT_TRUE(cpu::QuantizeStore(g, rows, locs, pool, threads).ok());
+        EXPECT_TRUE(std::equal(pool.begin(), pool.end(), expected.begin())) << misalign;
+        std::vector<uint16_t> out_storage;
+        const std::span<uint16_t> out = AtAlignment(out_storage, rows.size(), misalign);
+        ASSERT_TRUE(cpu::DequantizeGather(g, pool, locs, out, kHeadDim, threads).ok());
+        EXPECT_TRUE(std::equal(out.begin(), out.end(), expected_rows.begin())) << misalign;
+      }
+    }
+  });
+}
+
 // ---------------------------------------------------------------- invalid input
 
 // Runs the reference and the cpu op on copies of the same output and expects the same status
@@ -303,7 +342,8 @@ class CpuInvalidTest : public ::testing::Test {
   void ExpectStoreRejected(const PoolGeometry& g, const std::vector<uint16_t>& rows,
                            const std::vector<int64_t>& locs) {
     ExpectSameRejection(
-        pool_, [&](std::span<uint8_t> pool) { return reference::QuantizeStore(g, rows, locs, pool); },
+        pool_,
+        [&](std::span<uint8_t> pool) { return reference::QuantizeStore(g, rows, locs, pool); },
         [&](std::span<uint8_t> pool, cpu::ThreadPool* w) {
           return cpu::QuantizeStore(g, rows, locs, pool, w);
         });
@@ -358,7 +398,9 @@ TEST_F(CpuInvalidTest, DequantizeRejectsBadLocationsStridesAndShortWorkspaces) {
   auto expect = [&](std::vector<int64_t> locs, int64_t stride, size_t size) {
     ExpectSameRejection(
         std::vector<uint16_t>(out.begin(), out.begin() + size),
-        [&](std::span<uint16_t> o) { return reference::DequantizeGather(g_, pool_, locs, o, stride); },
+        [&](std::span<uint16_t> o) {
+          return reference::DequantizeGather(g_, pool_, locs, o, stride);
+        },
         [&](std::span<uint16_t> o, cpu::ThreadPool* w) {
           return cpu::DequantizeGather(g_, pool_, locs, o, stride, w);
         });
@@ -368,7 +410,8 @@ TEST_F(CpuInvalidTest, DequantizeRejectsBadLocationsStridesAndShortWorkspaces) {
   expect({0, 1}, 256, 1024);
   expect({0, 1, 2}, 600, 2 * 600 + kHeadDim - 1);
   ExpectSameRejection(
-      out, [&](std::span<uint16_t> o) {
+      out,
+      [&](std::span<uint16_t> o) {
         return reference::DequantizeGather(g_, std::span(pool_).first(100), {}, o);
       },
       [&](std::span<uint16_t> o, cpu::ThreadPool* w) {
@@ -400,18 +443,25 @@ TEST_F(CpuInvalidTest, PageOpsRejectWhatTheReferenceRejects) {
           return cpu::ScatterPages(pg, buffer, pages, p, w);
         });
     ExpectSameRejection(
-        buffer, [&](std::span<uint8_t> b) { return reference::GatherPages(pg, pool_, std::vector<int64_t>{0, 9}, b); },
+        buffer,
+        [&](std::span<uint8_t> b) {
+          return reference::GatherPages(pg, pool_, std::vector<int64_t>{0, 9}, b);
+        },
         [&](std::span<uint8_t> b, cpu::ThreadPool* w) {
           return cpu::GatherPages(pg, pool_, std::vector<int64_t>{0, 9}, b, w);
         });
   }
   ExpectSameRejection(
-      pool_, [&](std::span<uint8_t> p) { return reference::ZeroPages(pg, std::vector<int64_t>{2, 4}, p); },
+      pool_,
+      [&](std::span<uint8_t> p) {
+        return reference::ZeroPages(pg, std::vector<int64_t>{2, 4}, p);
+      },
       [&](std::span<uint8_t> p, cpu::ThreadPool* w) {
         return cpu::ZeroPages(pg, std::vector<int64_t>{2, 4}, p, w);
       });
   ExpectSameRejection(
-      pool_, [&](std::span<uint8_t> p) {
+      pool_,
+      [&](std::span<uint8_t> p) {
         return reference::ZeroPages(PageCopyGeometry{0, 4, 1}, std::vector<int64_t>{1}, p);
       },
       [&](std::span<uint8_t> p, cpu::ThreadPool* w) {

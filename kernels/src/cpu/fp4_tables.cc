@@ -38,8 +38,8 @@ void Build(Fp4Tables& t) {
   for (int s = 0; s < 256; ++s) {
     const float scale = numerics::E4m3ToFloat(static_cast<uint8_t>(s));
     for (int nibble = 0; nibble < 16; ++nibble) {
-      const uint16_t bits = numerics::FloatToBf16(
-          numerics::E2m1ToFloat(static_cast<uint8_t>(nibble)) * scale);
+      const uint16_t bits =
+          numerics::FloatToBf16(numerics::E2m1ToFloat(static_cast<uint8_t>(nibble)) * scale);
       t.dequant_low[s][nibble] = static_cast<uint8_t>(bits & 0xFF);
       t.dequant_high[s][nibble] = static_cast<uint8_t>(bits >> 8);
     }

@@ -1,7 +1,5 @@
 // The cpu fast path of the KV ops: the reference's validation (the finite and location
 // checks made fast), then the row kernels or page copies split across the worker pool.
-#include "kvferry/kernels/cpu_ops.h"
-
 #include <atomic>
 #include <cstring>
 #include <memory>
@@ -9,6 +7,7 @@
 
 #include "absl/functional/function_ref.h"
 #include "cpu/row_kernels.h"
+#include "kvferry/kernels/cpu_ops.h"
 #include "kvferry/kernels/status_macros.h"
 #include "kvferry/kernels/validate.h"
 
@@ -18,8 +17,13 @@ namespace {
 // Rows per task: a row takes 0.1-0.3 µs here, so 256 rows are tens of µs of work, well
 // above the few µs a worker takes to wake up.
 constexpr int64_t kRowsPerTask = 256;
-// Bytes per task for copies and checks that run at memory speed: about 100 µs each.
+// Bytes per task for copies that run at memory speed: about 100 µs each.
 constexpr int64_t kBytesPerTask = int64_t{1} << 20;
+// Outputs of at least this many bytes are written with non-temporal stores: a quarter of
+// the last-level cache of a typical server core complex, past which the written lines
+// would be evicted before anyone reads them, so reading them in first (as an ordinary store
+// does) only costs DRAM bandwidth. Smaller outputs stay in cache for their reader.
+constexpr int64_t kStreamingBytes = int64_t{8} << 20;
 
 void ForEach(ThreadPool* workers, int64_t n, int64_t min_grain,
              absl::FunctionRef<void(int64_t, int64_t)> fn) {
@@ -78,13 +82,14 @@ absl::Status QuantizeStore(const PoolGeometry& geometry, std::span<const uint16_
                            ThreadPool* workers) {
   KVF_RETURN_IF_ERROR(ValidateGeometry(geometry));
   KVF_RETURN_IF_ERROR(ValidateSpanBytes(pool.size(), geometry.pool_bytes(), "pool"));
-  KVF_RETURN_IF_ERROR(ValidateRowShape(static_cast<int64_t>(rows.size()),
-                                       static_cast<int64_t>(locs.size())));
+  KVF_RETURN_IF_ERROR(
+      ValidateRowShape(static_cast<int64_t>(rows.size()), static_cast<int64_t>(locs.size())));
   // Pass 1 reads every row once for both the finite check and the tile scales, so the
   // check costs no pass of its own; pass 2 codes the rows under those scales.
   const int64_t n = static_cast<int64_t>(locs.size());
   const int scale_bytes = GetLayoutInfo(geometry.layout).scale_bytes;
   const std::unique_ptr<uint8_t[]> scales(new uint8_t[n * scale_bytes]);
+  const bool stream = n * GetLayoutInfo(geometry.layout).bytes_per_token() >= kStreamingBytes;
   std::atomic<bool> finite{true};
   ForEach(workers, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
     if (!internal::ScaleRows(geometry.layout, rows.data() + begin * kHeadDim, end - begin,
@@ -98,7 +103,7 @@ absl::Status QuantizeStore(const PoolGeometry& geometry, std::span<const uint16_
   ForEach(workers, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
     internal::EncodeRows(geometry, rows.data() + begin * kHeadDim,
                          scales.get() + begin * scale_bytes, locs.data() + begin, end - begin,
-                         pool.data());
+                         pool.data(), stream);
   });
   return absl::OkStatus();
 }
@@ -111,9 +116,10 @@ absl::Status DequantizeGather(const PoolGeometry& geometry, std::span<const uint
   const int64_t n = static_cast<int64_t>(locs.size());
   KVF_RETURN_IF_ERROR(ValidateWorkspace(n, out.size(), out_row_stride));
   KVF_RETURN_IF_ERROR(CheckLocations(locs, geometry.num_tokens(), /*unique=*/false));
+  const bool stream = n * kBf16RowBytes >= kStreamingBytes;
   ForEach(workers, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
     internal::DequantizeRows(geometry, pool.data(), locs.data() + begin, end - begin,
-                             out.data() + begin * out_row_stride, out_row_stride);
+                             out.data() + begin * out_row_stride, out_row_stride, stream);
   });
   return absl::OkStatus();
 }
@@ -127,11 +133,10 @@ absl::Status Transcode(const PoolGeometry& from, std::span<const uint8_t> src,
   KVF_RETURN_IF_ERROR(ValidateSpanBytes(dst.size(), to.pool_bytes(), "destination pool"));
   const int64_t limit = std::min(from.num_tokens(), to.num_tokens());
   KVF_RETURN_IF_ERROR(CheckLocations(locs, limit, /*unique=*/true));
-  ForEach(workers, static_cast<int64_t>(locs.size()), kRowsPerTask,
-          [&](int64_t begin, int64_t end) {
-            internal::TranscodeRows(from, src.data(), to, dst.data(), locs.data() + begin,
-                                    end - begin);
-          });
+  ForEach(
+      workers, static_cast<int64_t>(locs.size()), kRowsPerTask, [&](int64_t begin, int64_t end) {
+        internal::TranscodeRows(from, src.data(), to, dst.data(), locs.data() + begin, end - begin);
+      });
   return absl::OkStatus();
 }
 
@@ -143,8 +148,7 @@ absl::Status GatherPages(const PageCopyGeometry& geometry, std::span<const uint8
                          ThreadPool* workers) {
   KVF_RETURN_IF_ERROR(ValidatePageCopy(geometry, pool.size(), pages, buffer.size(), false));
   ForEachPageLayer(geometry, pages, workers, [&](int64_t at, int64_t item) {
-    std::memcpy(buffer.data() + item * geometry.page_bytes, pool.data() + at,
-                geometry.page_bytes);
+    std::memcpy(buffer.data() + item * geometry.page_bytes, pool.data() + at, geometry.page_bytes);
   });
   return absl::OkStatus();
 }
@@ -154,8 +158,7 @@ absl::Status ScatterPages(const PageCopyGeometry& geometry, std::span<const uint
                           ThreadPool* workers) {
   KVF_RETURN_IF_ERROR(ValidatePageCopy(geometry, pool.size(), pages, buffer.size(), true));
   ForEachPageLayer(geometry, pages, workers, [&](int64_t at, int64_t item) {
-    std::memcpy(pool.data() + at, buffer.data() + item * geometry.page_bytes,
-                geometry.page_bytes);
+    std::memcpy(pool.data() + at, buffer.data() + item * geometry.page_bytes, geometry.page_bytes);
   });
   return absl::OkStatus();
 }

@@ -5,6 +5,7 @@
 // rules), so each target computes the reference's bytes without depending on floating-point
 // state; cpu_ops_test proves it value by value on every target compiled in.
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 #include "cpu/fp4_tables.h"
@@ -16,6 +17,7 @@
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "cpu/row_kernels.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/cache_control.h"
 #include "hwy/highway.h"
 
 HWY_BEFORE_NAMESPACE();
@@ -62,6 +64,26 @@ HWY_INLINE void PrefetchRecord(const uint8_t* data, int data_bytes, const uint8_
   } else {
     __builtin_prefetch(scale, 0);
   }
+}
+
+// Copies `bytes` from a scratch record in L1 to dst, the whole 64-byte lines of dst with
+// non-temporal stores: a line written whole need not be read into the cache first, which
+// saves a DRAM read per written byte when the output is far larger than the caches. The
+// partial lines at either end (dst need not be aligned) take ordinary stores.
+HWY_INLINE void StreamCopy(const uint8_t* src, uint8_t* dst, int bytes) {
+  const hn::CappedTag<uint8_t, 64> d;
+  const int n = static_cast<int>(hn::Lanes(d));
+  const int head = static_cast<int>((64 - reinterpret_cast<uintptr_t>(dst) % 64) % 64);
+  if (head >= bytes) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+  std::memcpy(dst, src, head);
+  int i = head;
+  for (; i + 64 <= bytes; i += 64) {
+    for (int j = 0; j < 64; j += n) hn::Stream(hn::LoadU(d, src + i + j), d, dst + i + j);
+  }
+  std::memcpy(dst + i, src + i, bytes - i);
 }
 
 // bf16 magnitudes at or above this are NaN or Inf.
@@ -408,7 +430,7 @@ bool ScaleRowsImpl(Layout layout, const uint16_t* rows, int64_t count, uint8_t* 
 }
 
 void EncodeRowsImpl(const PoolGeometry& geometry, const uint16_t* rows, const uint8_t* scales,
-                    const int64_t* locs, int64_t count, uint8_t* pool) {
+                    const int64_t* locs, int64_t count, uint8_t* pool, bool stream) {
   const Addressing locate(geometry);
   const Fp4Tables& tables = Fp4Tables::Get();
   const int data_bytes = static_cast<int>(locate.data_bytes);
@@ -420,13 +442,20 @@ void EncodeRowsImpl(const PoolGeometry& geometry, const uint16_t* rows, const ui
     }
     const RecordOffsets at = locate(locs[i]);
     const uint8_t* scale = scales + i * scale_bytes;
-    EncodeRow(geometry.layout, rows + i * kHeadDim, scale, pool + at.data, tables);
+    if (stream) {
+      alignas(64) uint8_t data[kNopeDim + kRopeDim * 2];
+      EncodeRow(geometry.layout, rows + i * kHeadDim, scale, data, tables);
+      StreamCopy(data, pool + at.data, data_bytes);
+    } else {
+      EncodeRow(geometry.layout, rows + i * kHeadDim, scale, pool + at.data, tables);
+    }
     std::memcpy(pool + at.scale, scale, scale_bytes);
   }
+  if (stream) hwy::FlushStream();  // order the streamed lines before the caller's sync
 }
 
 void DequantizeRowsImpl(const PoolGeometry& geometry, const uint8_t* pool, const int64_t* locs,
-                        int64_t count, uint16_t* out, int64_t out_row_stride) {
+                        int64_t count, uint16_t* out, int64_t out_row_stride, bool stream) {
   const Addressing locate(geometry);
   const Fp4Tables& tables = Fp4Tables::Get();
   const int data_bytes = static_cast<int>(locate.data_bytes);
@@ -436,9 +465,17 @@ void DequantizeRowsImpl(const PoolGeometry& geometry, const uint8_t* pool, const
       PrefetchRecord(pool + ahead.data, data_bytes, pool + ahead.scale, /*for_write=*/false);
     }
     const RecordOffsets at = locate(locs[i]);
-    DequantizeRow(geometry.layout, pool + at.data, pool + at.scale, out + i * out_row_stride,
-                  tables);
+    uint16_t* row = out + i * out_row_stride;
+    if (stream) {
+      alignas(64) uint16_t scratch[kHeadDim];
+      DequantizeRow(geometry.layout, pool + at.data, pool + at.scale, scratch, tables);
+      StreamCopy(reinterpret_cast<const uint8_t*>(scratch), reinterpret_cast<uint8_t*>(row),
+                 kBf16RowBytes);
+    } else {
+      DequantizeRow(geometry.layout, pool + at.data, pool + at.scale, row, tables);
+    }
   }
+  if (stream) hwy::FlushStream();
 }
 
 void TranscodeRowsImpl(const PoolGeometry& from, const uint8_t* src, const PoolGeometry& to,
@@ -476,13 +513,14 @@ bool ScaleRows(Layout layout, const uint16_t* rows, int64_t count, uint8_t* scal
 }
 
 void EncodeRows(const PoolGeometry& geometry, const uint16_t* rows, const uint8_t* scales,
-                const int64_t* locs, int64_t count, uint8_t* pool) {
-  HWY_DYNAMIC_DISPATCH(EncodeRowsImpl)(geometry, rows, scales, locs, count, pool);
+                const int64_t* locs, int64_t count, uint8_t* pool, bool stream) {
+  HWY_DYNAMIC_DISPATCH(EncodeRowsImpl)(geometry, rows, scales, locs, count, pool, stream);
 }
 
 void DequantizeRows(const PoolGeometry& geometry, const uint8_t* pool, const int64_t* locs,
-                    int64_t count, uint16_t* out, int64_t out_row_stride) {
-  HWY_DYNAMIC_DISPATCH(DequantizeRowsImpl)(geometry, pool, locs, count, out, out_row_stride);
+                    int64_t count, uint16_t* out, int64_t out_row_stride, bool stream) {
+  HWY_DYNAMIC_DISPATCH(DequantizeRowsImpl)(geometry, pool, locs, count, out, out_row_stride,
+                                           stream);
 }
 
 void TranscodeRows(const PoolGeometry& from, const uint8_t* src, const PoolGeometry& to,

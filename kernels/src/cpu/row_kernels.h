@@ -13,12 +13,13 @@ namespace kvferry::cpu::internal {
 // scales[i * scale_bytes ..); false if any value is NaN or Inf.
 bool ScaleRows(Layout layout, const uint16_t* rows, int64_t count, uint8_t* scales);
 // EncodeRows: rows[i] under scale row i into the record of locs[i] (data and scale row).
+// `stream`: write the data rows with non-temporal stores (for outputs far beyond the caches).
 void EncodeRows(const PoolGeometry& geometry, const uint16_t* rows, const uint8_t* scales,
-                const int64_t* locs, int64_t count, uint8_t* pool);
+                const int64_t* locs, int64_t count, uint8_t* pool, bool stream);
 
-// The record of locs[i] into out[i * out_row_stride .. +512).
+// The record of locs[i] into out[i * out_row_stride .. +512); `stream` as for EncodeRows.
 void DequantizeRows(const PoolGeometry& geometry, const uint8_t* pool, const int64_t* locs,
-                    int64_t count, uint16_t* out, int64_t out_row_stride);
+                    int64_t count, uint16_t* out, int64_t out_row_stride, bool stream);
 
 // quantize_to(dequantize_from(record)) of each location, from src into dst.
 void TranscodeRows(const PoolGeometry& from, const uint8_t* src, const PoolGeometry& to,

@@ -3,12 +3,12 @@
 // Hand-written rather than taken from a library: the build's libraries offer none with a
 // caller-sized fixed pool and a blocking parallel-for (Highway's contrib thread pool is not
 // in Debian's libhwy 1.0.3), and this one is small.
-#include "kvferry/kernels/cpu_thread_pool.h"
-
 #include <sched.h>
 
 #include <algorithm>
 #include <atomic>
+
+#include "kvferry/kernels/cpu_thread_pool.h"
 
 namespace kvferry::cpu {
 
@@ -47,8 +47,7 @@ ThreadPool::~ThreadPool() {
 
 int ThreadPool::RunChunks(Job& job) {
   int ran = 0;
-  for (int c = job.next_chunk.fetch_add(1); c < job.num_chunks;
-       c = job.next_chunk.fetch_add(1)) {
+  for (int c = job.next_chunk.fetch_add(1); c < job.num_chunks; c = job.next_chunk.fetch_add(1)) {
     // Even split: chunk sizes differ by at most one item.
     job.fn(job.n * c / job.num_chunks, job.n * (c + 1) / job.num_chunks);
     ++ran;
