@@ -16,19 +16,10 @@
 namespace kvferry {
 namespace {
 
+using testing::FirstDifference;
 using testing::ForEachCpuTarget;
 using testing::ReadArray;
 using testing::ReadBytes;
-
-// Index of the first differing element, or -1.
-template <typename T>
-int64_t FirstDifference(const std::vector<T>& a, const std::vector<T>& b) {
-  if (a.size() != b.size()) return 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (a[i] != b[i]) return static_cast<int64_t>(i);
-  }
-  return -1;
-}
 
 TEST(CpuTargetsTest, DispatchFollowsTheForcedTarget) {
   const std::vector<int64_t> targets = testing::CpuTargets();
@@ -48,12 +39,7 @@ TEST(CpuTargetsTest, DispatchFollowsTheForcedTarget) {
 
 // ---------------------------------------------------------------- goldens
 
-struct GoldenParam {
-  std::string case_name;
-  Layout layout;
-};
-
-class CpuGoldenTest : public ::testing::TestWithParam<GoldenParam> {
+class CpuGoldenTest : public ::testing::TestWithParam<testing::GoldenParam> {
  protected:
   void SetUp() override { c_ = testing::LoadGoldenCase(GetParam().case_name); }
   std::string Name() const { return LayoutName(GetParam().layout); }
@@ -98,17 +84,10 @@ TEST_P(CpuGoldenTest, TranscodeToV4ReproducesGolden) {
   });
 }
 
-std::vector<GoldenParam> AllGoldenParams() {
-  std::vector<GoldenParam> params;
-  for (const char* name : {"edge_p16", "latent_p64", "wide_p256"}) {
-    for (Layout layout : testing::AllLayouts()) params.push_back({name, layout});
-  }
-  return params;
-}
-
-INSTANTIATE_TEST_SUITE_P(Golden, CpuGoldenTest, ::testing::ValuesIn(AllGoldenParams()),
-                         [](const ::testing::TestParamInfo<GoldenParam>& info) {
-                           return info.param.case_name + "_" + LayoutName(info.param.layout);
+INSTANTIATE_TEST_SUITE_P(Golden, CpuGoldenTest,
+                         ::testing::ValuesIn(testing::AllGoldenParams()),
+                         [](const ::testing::TestParamInfo<testing::GoldenParam>& info) {
+                           return testing::GoldenParamName(info.param);
                          });
 
 // ---------------------------------------------------------------- against the reference

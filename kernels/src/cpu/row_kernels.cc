@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "cpu/fp4_tables.h"
 #include "cpu/row_kernels.h"
@@ -366,40 +367,45 @@ void DequantizeFp4Row(const uint8_t* data, const uint8_t* scale, uint16_t* row,
   }
 }
 
-bool ScaleRow(Layout layout, const uint16_t* row, uint8_t* scale, const Fp4Tables& tables) {
+// Calls fn with the layout as a compile-time constant: the one place a runtime layout picks
+// the row kernels.
+template <typename Fn>
+HWY_INLINE decltype(auto) WithLayout(Layout layout, const Fn& fn) {
   switch (layout) {
     case Layout::kV4:
-      return ScaleRowT<Layout::kV4>(row, scale, tables);
+      return fn(std::integral_constant<Layout, Layout::kV4>());
     case Layout::kV41:
-      return ScaleRowT<Layout::kV41>(row, scale, tables);
+      return fn(std::integral_constant<Layout, Layout::kV41>());
     case Layout::kV41Fp4:
-      return ScaleRowT<Layout::kV41Fp4>(row, scale, tables);
+      break;
   }
-  return false;
+  return fn(std::integral_constant<Layout, Layout::kV41Fp4>());
+}
+
+bool ScaleRow(Layout layout, const uint16_t* row, uint8_t* scale, const Fp4Tables& tables) {
+  return WithLayout(layout, [&](auto l) HWY_ATTR { return ScaleRowT<l()>(row, scale, tables); });
 }
 
 void EncodeRow(Layout layout, const uint16_t* row, const uint8_t* scale, uint8_t* data,
                const Fp4Tables& tables) {
-  switch (layout) {
-    case Layout::kV4:
-      return EncodeE4m3Row<Layout::kV4>(row, scale, data);
-    case Layout::kV41:
-      return EncodeE4m3Row<Layout::kV41>(row, scale, data);
-    case Layout::kV41Fp4:
-      return EncodeFp4Row(row, scale, data, tables);
-  }
+  WithLayout(layout, [&](auto l) HWY_ATTR {
+    if constexpr (l() == Layout::kV41Fp4) {
+      EncodeFp4Row(row, scale, data, tables);
+    } else {
+      EncodeE4m3Row<l()>(row, scale, data);
+    }
+  });
 }
 
 void DequantizeRow(Layout layout, const uint8_t* data, const uint8_t* scale, uint16_t* row,
                    const Fp4Tables& tables) {
-  switch (layout) {
-    case Layout::kV4:
-      return DequantizeE4m3Row<Layout::kV4>(data, scale, row);
-    case Layout::kV41:
-      return DequantizeE4m3Row<Layout::kV41>(data, scale, row);
-    case Layout::kV41Fp4:
-      return DequantizeFp4Row(data, scale, row, tables);
-  }
+  WithLayout(layout, [&](auto l) HWY_ATTR {
+    if constexpr (l() == Layout::kV41Fp4) {
+      DequantizeFp4Row(data, scale, row, tables);
+    } else {
+      DequantizeE4m3Row<l()>(data, scale, row);
+    }
+  });
 }
 
 #endif  // HWY_TARGET == HWY_SCALAR
