@@ -44,14 +44,17 @@ TEST(ThreadPoolTest, RangesBelowTwoGrainsRunOnTheCallingThread) {
   EXPECT_EQ(calls, 1);
 }
 
-TEST(ThreadPoolTest, LargeRangesUseTheWorkersInChunksOfAtLeastTheGrain) {
-  ThreadPool pool(4);
-  std::atomic<int> chunks{0};
-  pool.ParallelFor(1000, 100, [&](int64_t begin, int64_t end) {
-    EXPECT_GE(end - begin, 100);
-    ++chunks;
-  });
-  EXPECT_EQ(chunks.load(), 4);
+TEST(ThreadPoolTest, LargeRangesSplitIntoChunksOfAtLeastTheGrain) {
+  ThreadPool pool(2);
+  for (const int64_t n : {int64_t{250}, int64_t{1000}, int64_t{100000}}) {
+    std::atomic<int> chunks{0};
+    pool.ParallelFor(n, 100, [&](int64_t begin, int64_t end) {
+      EXPECT_GE(end - begin, 100);
+      ++chunks;
+    });
+    EXPECT_GE(chunks.load(), 2) << n;
+    EXPECT_LE(chunks.load(), 8) << n;  // a few per thread
+  }
 }
 
 TEST(ThreadPoolTest, ConcurrentCallersEachGetTheirWholeRange) {

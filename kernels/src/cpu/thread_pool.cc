@@ -11,6 +11,11 @@
 #include "kvferry/kernels/cpu_thread_pool.h"
 
 namespace kvferry::cpu {
+namespace {
+
+constexpr int kChunksPerThread = 4;
+
+}  // namespace
 
 int DefaultThreadCount() {
   cpu_set_t set;
@@ -79,8 +84,11 @@ void ThreadPool::WorkerLoop() {
 void ThreadPool::ParallelFor(int64_t n, int64_t min_grain,
                              absl::FunctionRef<void(int64_t, int64_t)> fn) {
   if (n <= 0) return;
+  // A few chunks per thread, claimed one at a time: a thread slowed down (by another
+  // process on its core, say) takes fewer, instead of holding up the call.
   const int64_t max_chunks = n / std::max<int64_t>(1, min_grain);
-  const int chunks = static_cast<int>(std::min<int64_t>(num_threads(), max_chunks));
+  const int chunks =
+      static_cast<int>(std::min<int64_t>(kChunksPerThread * num_threads(), max_chunks));
   if (chunks <= 1) {
     fn(0, n);
     return;

@@ -30,8 +30,8 @@ class ThreadPool {
   int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
 
   // Calls fn(begin, end) on disjoint chunks covering [0, n), each of at least `min_grain`
-  // items, and returns once all have run. A range too small for two chunks runs on the
-  // calling thread alone, so small requests never pay for a hand-off.
+  // items (a few per thread at most), and returns once all have run. A range too small for
+  // two chunks runs on the calling thread alone, so small requests never pay for a hand-off.
   void ParallelFor(int64_t n, int64_t min_grain, absl::FunctionRef<void(int64_t, int64_t)> fn);
 
  private:
