@@ -3,6 +3,8 @@
 // code under every scale byte (valid or not).
 #include <algorithm>
 #include <map>
+#include <string>
+#include <tuple>
 #include <vector>
 
 #include "common/cpu_targets.h"
@@ -130,7 +132,11 @@ TEST_P(CpuExhaustiveTest, EveryFiniteBf16UnderEveryScaleQuantizesAsTheReference)
 // A pool whose records hold every code under every scale byte 0..255, including bytes no
 // store writes (V4/V41 exponents 0 and 255, negative or NaN-coded FP4 scales): a reader
 // must still give the reference's bytes for them.
-std::vector<uint8_t> EveryCodeUnderEveryScaleByte(const PoolGeometry& g, int64_t* num_rows) {
+//
+// With `without_e4m3_subnormals`, V4/V41 codes with magnitude 1..7 are replaced by 0x08, so
+// that rows reach the decoder the cpu path keeps for rows without them.
+std::vector<uint8_t> EveryCodeUnderEveryScaleByte(const PoolGeometry& g, int64_t* num_rows,
+                                                  bool without_e4m3_subnormals = false) {
   const LayoutInfo info = GetLayoutInfo(g.layout);
   const int tiles_per_row = QuantizedTiles(g.layout);
   const int tile_bytes = g.layout == Layout::kV41Fp4 ? info.tile / 2 : info.tile;
@@ -160,14 +166,21 @@ std::vector<uint8_t> EveryCodeUnderEveryScaleByte(const PoolGeometry& g, int64_t
                 : static_cast<uint8_t>(part * tile_bytes + j);
       }
     }
+    if (without_e4m3_subnormals && g.layout != Layout::kV41Fp4) {
+      for (int b = 0; b < tiles_per_row * tile_bytes; ++b) {
+        if ((data[b] & 0x7F) != 0 && (data[b] & 0x7F) < 8) data[b] = 0x08;
+      }
+    }
   }
   return pool;
 }
 
-TEST_P(CpuExhaustiveTest, EveryCodeUnderEveryScaleByteDequantizesAndTranscodesAsTheReference) {
-  const PoolGeometry g{GetParam(), kPageSize, 3};
+class CpuEveryCodeTest : public ::testing::TestWithParam<std::tuple<Layout, bool>> {};
+
+TEST_P(CpuEveryCodeTest, EveryCodeUnderEveryScaleByteDequantizesAndTranscodesAsTheReference) {
+  const PoolGeometry g{std::get<0>(GetParam()), kPageSize, 3};
   int64_t n = 0;
-  const std::vector<uint8_t> pool = EveryCodeUnderEveryScaleByte(g, &n);
+  const std::vector<uint8_t> pool = EveryCodeUnderEveryScaleByte(g, &n, std::get<1>(GetParam()));
   ASSERT_LE(n, g.num_tokens());
   const std::vector<int64_t> locs = Sequential(n);
   std::vector<uint16_t> expected(n * kHeadDim);
@@ -193,6 +206,15 @@ TEST_P(CpuExhaustiveTest, EveryCodeUnderEveryScaleByteDequantizesAndTranscodesAs
     }
   });
 }
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, CpuEveryCodeTest,
+    ::testing::Combine(::testing::Values(Layout::kV4, Layout::kV41, Layout::kV41Fp4),
+                       ::testing::Bool()),
+    [](const ::testing::TestParamInfo<std::tuple<Layout, bool>>& info) {
+      return std::string(LayoutName(std::get<0>(info.param))) +
+             (std::get<1>(info.param) ? "_without_subnormal_codes" : "");
+    });
 
 TEST_P(CpuExhaustiveTest, RandomPoolBytesDequantizeAndTranscodeAsTheReference) {
   const PoolGeometry g{GetParam(), 16, 40};

@@ -302,19 +302,26 @@ alignas(16) constexpr uint8_t kSubnormalBf16[16] = {0x00, 0x00, 0x80, 0x3F, 0x00
 constexpr int kMinArithmeticScale = 10;
 constexpr int kMaxArithmeticScale = 246;
 
-// V4 (NoPE) and V41 dequantization of one row: the product e4m3(code) * 2^(e-127) is exact,
-// so its bf16 is assembled from bits: a normal code's (exponent, mantissa) lands at
-// (code & 0x7F) << 4 plus (e - 7) << 7; a subnormal code m is bf16(m) * 2^(e - 136).
-template <Layout kLayout>
-void DequantizeE4m3Row(const uint8_t* data, const uint8_t* scale, uint16_t* row) {
-  constexpr int kTile = GetLayoutInfo(kLayout).tile;
-  constexpr int kTiles = (kLayout == Layout::kV4 ? kNopeDim : kHeadDim) / kTile;
-  for (int t = 0; t < kTiles; ++t) {
-    if (HWY_UNLIKELY(scale[t] < kMinArithmeticScale || scale[t] > kMaxArithmeticScale)) {
-      reference::DequantizeRow(kLayout, data, scale, row);
-      return;
-    }
+// Whether any of `count` e4m3 codes (a multiple of 32) is a subnormal (magnitude 1..7).
+HWY_INLINE bool HasSubnormalCodes(const uint8_t* codes, int count) {
+  const hn::CappedTag<int8_t, 32> d;
+  const int n = static_cast<int>(hn::Lanes(d));
+  const auto low7 = hn::Set(d, 0x7F), eight = hn::Set(d, 8), zero = hn::Zero(d);
+  auto found = zero;
+  for (int i = 0; i < count; i += n) {
+    const auto m = hn::And(hn::LoadU(d, reinterpret_cast<const int8_t*>(codes) + i), low7);
+    found = hn::Or(found, hn::VecFromMask(d, hn::And(m > zero, m < eight)));
   }
+  return !hn::AllTrue(d, found == zero);
+}
+
+// V4 (NoPE) and V41 bf16 values of a row's codes, tile t under exponent scale[t]: the
+// product e4m3(code) * 2^(e-127) is exact, so its bf16 is assembled from bits. A normal
+// code's (exponent, mantissa) lands at (code & 0x7F) << 4 plus (e - 7) << 7; with
+// kSubnormals a subnormal code m becomes bf16(m) * 2^(e - 136) (an in-register lookup),
+// without it the row must have none.
+template <int kTile, int kTiles, bool kSubnormals>
+HWY_INLINE void DecodeE4m3Tiles(const uint8_t* data, const uint8_t* scale, uint16_t* row) {
   const D16 d;
   const hn::Rebind<uint8_t, D16> d8;
   const hn::Repartition<uint8_t, D16> dbytes;
@@ -332,15 +339,38 @@ void DequantizeE4m3Row(const uint8_t* data, const uint8_t* scale, uint16_t* row)
     for (int i = t * kTile; i < (t + 1) * kTile; i += n) {
       const V16 code = hn::PromoteTo(d, hn::LoadU(d8, data + i));
       const V16 m = hn::And(code, low7);
-      const V16 normal = hn::Add(hn::ShiftLeft<4>(m), normal_bias);
-      const V16 index = hn::Add(hn::And(m, low3) * index_step, index_base);
-      const V16 subnormal = hn::Add(
-          hn::BitCast(d, hn::TableLookupBytes(table, hn::BitCast(dbytes, index))),
-          subnormal_bias);
-      V16 value = hn::IfThenZeroElse(m == zero, hn::IfThenElse(m < eight, subnormal, normal));
+      V16 value = hn::IfThenZeroElse(m == zero, hn::Add(hn::ShiftLeft<4>(m), normal_bias));
+      if constexpr (kSubnormals) {
+        const V16 index = hn::Add(hn::And(m, low3) * index_step, index_base);
+        const V16 subnormal = hn::Add(
+            hn::BitCast(d, hn::TableLookupBytes(table, hn::BitCast(dbytes, index))),
+            subnormal_bias);
+        value = hn::IfThenElse(m < eight, hn::IfThenZeroElse(m == zero, subnormal), value);
+      }
       value = hn::Or(value, hn::ShiftLeft<8>(hn::And(code, sign)));
       hn::StoreU(value, d, out + i);
     }
+  }
+}
+
+// V4 (NoPE tiles and the copied RoPE dims) and V41 dequantization of one row. Subnormal
+// codes (values below 2^-6 of the scale) are rare in stored rows, so only rows that have
+// any pay for the lookup.
+template <Layout kLayout>
+void DequantizeE4m3Row(const uint8_t* data, const uint8_t* scale, uint16_t* row) {
+  constexpr int kTile = GetLayoutInfo(kLayout).tile;
+  constexpr int kDims = kLayout == Layout::kV4 ? kNopeDim : kHeadDim;
+  constexpr int kTiles = kDims / kTile;
+  for (int t = 0; t < kTiles; ++t) {
+    if (HWY_UNLIKELY(scale[t] < kMinArithmeticScale || scale[t] > kMaxArithmeticScale)) {
+      reference::DequantizeRow(kLayout, data, scale, row);
+      return;
+    }
+  }
+  if (HasSubnormalCodes(data, kDims)) {
+    DecodeE4m3Tiles<kTile, kTiles, /*kSubnormals=*/true>(data, scale, row);
+  } else {
+    DecodeE4m3Tiles<kTile, kTiles, /*kSubnormals=*/false>(data, scale, row);
   }
   if constexpr (kLayout == Layout::kV4) {
     std::memcpy(row + kNopeDim, data + kNopeDim, kRopeDim * sizeof(uint16_t));
