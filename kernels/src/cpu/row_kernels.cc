@@ -145,7 +145,8 @@ using VU16 = hn::Vec<DU16>;
 // e4m3 RNE-sat(x * 2^(127-e)) without forming the product, from the magnitude bits
 // a = Ex << 7 | m7 of a finite bf16 x: with c = (e - 7) << 7, t = a - c = E' << 7 | m7 where
 // E' is the e4m3 biased exponent of the product (exact: a power of two only moves the
-// exponent). This is numerics::FloatToE4m3 on the bits, in two parts.
+// exponent). This is numerics::FloatToE4m3 on the bits, in two parts. A finite row's e is
+// in [105, 247] (V4's floor to bf16's maximum), so every constant and t fit in 16 bits.
 //
 // EncodeE4m3Normal is exact for every lane except those with E' in [-3, 0] (t in
 // [-384, 128), the e4m3 subnormals): for E' >= 1 it keeps 3 of the 7 mantissa bits rounding
@@ -297,8 +298,8 @@ alignas(16) constexpr uint8_t kSubnormalBf16[16] = {0x00, 0x00, 0x80, 0x3F, 0x00
                                                      0xC0, 0x40, 0xE0, 0x40};
 
 // Scale bytes for which every code's product is a normal bf16 (exponent field 1..254), so
-// the bit arithmetic below is exact; other bytes (never written by a store, except V4's
-// largest rows) take the reference's path.
+// the bit arithmetic below is exact; other bytes (a store writes them only for tiles whose
+// amax is within a factor 2 of bf16's maximum) take the reference's path.
 constexpr int kMinArithmeticScale = 10;
 constexpr int kMaxArithmeticScale = 246;
 
