@@ -85,17 +85,15 @@ class Table {
   explicit Table(Ceiling& ceiling) : ceiling_(ceiling) {}
 
   // One figure: `bytes_per_token` moved per token, `seconds` for `tokens` tokens; `all`
-  // says which copy rate it is compared with; `reference_seconds` (0: none) the
-  // reference's time for the same call.
+  // says which copy rate it is compared with; `reference_seconds` the reference's time for
+  // the same call.
   void Add(const std::string& op, const std::string& layout, const std::string& locations, bool all,
-           int64_t tokens, double bytes_per_token, double seconds, double reference_seconds = 0) {
+           int64_t tokens, double bytes_per_token, double seconds, double reference_seconds) {
     const double gbs = tokens * bytes_per_token / seconds / 1e9;
     const double copy = ceiling_.GBs(all);
     char line[320];
-    char speedup[32] = "";
-    if (reference_seconds > 0) {
-      std::snprintf(speedup, sizeof(speedup), "%.1f×", reference_seconds / seconds);
-    }
+    char speedup[32];
+    std::snprintf(speedup, sizeof(speedup), "%.1f×", reference_seconds / seconds);
     std::snprintf(line, sizeof(line),
                   "| %s | %s | %s | %s | %.3g M | %.2f | %.1f | %.0f %% | %s |\n", op.c_str(),
                   layout.c_str(), locations.c_str(), all ? "all" : "1", tokens / seconds / 1e6, gbs,
@@ -133,6 +131,18 @@ int Main(int argc, char** argv) {
   std::printf("|---|---|---|---|---|---|---|---|---|\n");
   Table table(ceiling);
 
+  // One op on one core and on all: `call(workers)` with nullptr and with the pool; the
+  // reference timed once on the same inputs.
+  auto measure = [&](const char* op, const char* layout, const char* order, double bytes,
+                     const std::function<absl::Status(cpu::ThreadPool*)>& call,
+                     const std::function<absl::Status()>& reference_call) {
+    const double ref = MedianSeconds(1, [&] { Check(reference_call()); });
+    for (cpu::ThreadPool* w : {static_cast<cpu::ThreadPool*>(nullptr), &workers}) {
+      table.Add(op, layout, order, w != nullptr, n, bytes,
+                MedianSeconds(o.reps, [&] { Check(call(w)); }), ref);
+    }
+  };
+
   const std::vector<uint16_t> rows = testing::RandomRows(n, 1);
   std::vector<uint16_t> out(rows.size());
   const std::vector<int64_t> sequential = [n] {
@@ -140,54 +150,38 @@ int Main(int argc, char** argv) {
     for (int64_t i = 0; i < n; ++i) locs[i] = i;
     return locs;
   }();
-  const Layout layouts[] = {Layout::kV4, Layout::kV41, Layout::kV41Fp4};
-
-  for (const Layout layout : layouts) {
+  for (const Layout layout : {Layout::kV4, Layout::kV41, Layout::kV41Fp4}) {
     // A pool twice the request: scattered locations are a random half of its slots.
     const PoolGeometry g{layout, kPageSize, 2 * n / kPageSize};
     const std::vector<int64_t> scattered = testing::ScatteredLocations(n, g.num_tokens(), 2);
     std::vector<uint8_t> pool(g.pool_bytes(), 0);
+    const char* name = LayoutName(layout);
     const double record = GetLayoutInfo(layout).bytes_per_token();
     const double bytes = kBf16RowBytes + kLocationBytes + record;
     for (const std::vector<int64_t>* locs : {&sequential, &scattered}) {
       const char* order = locs == &sequential ? "sequential" : "scattered";
-      const double ref =
-          MedianSeconds(1, [&] { Check(reference::QuantizeStore(g, rows, *locs, pool)); });
-      table.Add("quantize-store", LayoutName(layout), order, false, n, bytes,
-                MedianSeconds(o.reps, [&] { Check(cpu::QuantizeStore(g, rows, *locs, pool)); }),
-                ref);
-      table.Add(
-          "quantize-store", LayoutName(layout), order, true, n, bytes,
-          MedianSeconds(o.reps, [&] { Check(cpu::QuantizeStore(g, rows, *locs, pool, &workers)); }),
-          ref);
+      measure(
+          "quantize-store", name, order, bytes,
+          [&](cpu::ThreadPool* w) { return cpu::QuantizeStore(g, rows, *locs, pool, w); },
+          [&] { return reference::QuantizeStore(g, rows, *locs, pool); });
     }
     for (const std::vector<int64_t>* locs : {&sequential, &scattered}) {
       const char* order = locs == &sequential ? "sequential" : "scattered";
-      const double ref =
-          MedianSeconds(1, [&] { Check(reference::DequantizeGather(g, pool, *locs, out)); });
-      table.Add("dequantize-gather", LayoutName(layout), order, false, n, bytes,
-                MedianSeconds(o.reps, [&] { Check(cpu::DequantizeGather(g, pool, *locs, out)); }),
-                ref);
-      table.Add("dequantize-gather", LayoutName(layout), order, true, n, bytes,
-                MedianSeconds(
-                    o.reps,
-                    [&] { Check(cpu::DequantizeGather(g, pool, *locs, out, kHeadDim, &workers)); }),
-                ref);
+      measure(
+          "dequantize-gather", name, order, bytes,
+          [&](cpu::ThreadPool* w) {
+            return cpu::DequantizeGather(g, pool, *locs, out, kHeadDim, w);
+          },
+          [&] { return reference::DequantizeGather(g, pool, *locs, out); });
     }
     if (layout != Layout::kV4) {
       const PoolGeometry to{Layout::kV4, kPageSize, g.num_pages};
       std::vector<uint8_t> dst(to.pool_bytes(), 0);
-      const double transcode_bytes =
-          record + kLocationBytes + GetLayoutInfo(Layout::kV4).bytes_per_token();
-      const double ref =
-          MedianSeconds(1, [&] { Check(reference::Transcode(g, pool, to, dst, sequential)); });
-      table.Add("transcode to v4", LayoutName(layout), "sequential", false, n, transcode_bytes,
-                MedianSeconds(o.reps, [&] { Check(cpu::Transcode(g, pool, to, dst, sequential)); }),
-                ref);
-      table.Add("transcode to v4", LayoutName(layout), "sequential", true, n, transcode_bytes,
-                MedianSeconds(
-                    o.reps, [&] { Check(cpu::Transcode(g, pool, to, dst, sequential, &workers)); }),
-                ref);
+      measure(
+          "transcode to v4", name, "sequential",
+          record + kLocationBytes + GetLayoutInfo(Layout::kV4).bytes_per_token(),
+          [&](cpu::ThreadPool* w) { return cpu::Transcode(g, pool, to, dst, sequential, w); },
+          [&] { return reference::Transcode(g, pool, to, dst, sequential); });
     }
   }
 
@@ -200,22 +194,18 @@ int Main(int argc, char** argv) {
   for (size_t i = 0; i < pages.size(); ++i) pages[i] = 2 * static_cast<int64_t>(i);
   std::vector<uint8_t> buffer(pg.buffer_bytes(pages.size()), 4);
   const double page_copy_bytes = 2.0 * v4.page_bytes() / kPageSize;
-  for (const bool all : {false, true}) {
-    cpu::ThreadPool* w = all ? &workers : nullptr;
-    table.Add("gather pages", "v4", "every other page", all, n, page_copy_bytes,
-              MedianSeconds(o.reps, [&] { Check(cpu::GatherPages(pg, pool, pages, buffer, w)); }),
-              all ? 0 : MedianSeconds(1, [&] {
-                Check(reference::GatherPages(pg, pool, pages, buffer));
-              }));
-    table.Add("scatter pages", "v4", "every other page", all, n, page_copy_bytes,
-              MedianSeconds(o.reps, [&] { Check(cpu::ScatterPages(pg, buffer, pages, pool, w)); }),
-              all ? 0 : MedianSeconds(1, [&] {
-                Check(reference::ScatterPages(pg, buffer, pages, pool));
-              }));
-    table.Add("zero pages", "v4", "every other page", all, n, page_copy_bytes / 2,
-              MedianSeconds(o.reps, [&] { Check(cpu::ZeroPages(pg, pages, pool, w)); }),
-              all ? 0 : MedianSeconds(1, [&] { Check(reference::ZeroPages(pg, pages, pool)); }));
-  }
+  measure(
+      "gather pages", "v4", "every other page", page_copy_bytes,
+      [&](cpu::ThreadPool* w) { return cpu::GatherPages(pg, pool, pages, buffer, w); },
+      [&] { return reference::GatherPages(pg, pool, pages, buffer); });
+  measure(
+      "scatter pages", "v4", "every other page", page_copy_bytes,
+      [&](cpu::ThreadPool* w) { return cpu::ScatterPages(pg, buffer, pages, pool, w); },
+      [&] { return reference::ScatterPages(pg, buffer, pages, pool); });
+  measure(
+      "zero pages", "v4", "every other page", page_copy_bytes / 2,
+      [&](cpu::ThreadPool* w) { return cpu::ZeroPages(pg, pages, pool, w); },
+      [&] { return reference::ZeroPages(pg, pages, pool); });
   return 0;
 }
 
