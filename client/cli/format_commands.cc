@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "args.h"
 #include "file_io.h"
+#include "kvferry/kernels/cpu_ops.h"
 #include "kvferry/kernels/format.h"
 #include "kvferry/kernels/ops.h"
 #include "kvferry/kernels/validate.h"
@@ -111,7 +112,8 @@ Outcome Quantize(const Args& args, std::ostream& out) {
   KVF_TRY(Load(args, "rows", &rows, &rows_path));
   KVF_TRY(Load(args, "locs", &locs, &locs_path));
   std::vector<uint8_t> pool(geometry.pool_bytes(), 0);
-  if (absl::Status s = reference::QuantizeStore(geometry, rows, locs, pool); !s.ok()) {
+  cpu::ThreadPool workers(cpu::DefaultThreadCount());
+  if (absl::Status s = cpu::QuantizeStore(geometry, rows, locs, pool, &workers); !s.ok()) {
     return Invalid(s);
   }
   KVF_TRY(Save(args, "pool", pool));
@@ -131,7 +133,9 @@ Outcome Dequantize(const Args& args, std::ostream& out) {
   KVF_TRY(PagesOfPoolFile(pool, pool_path, &geometry));
   KVF_TRY(Load(args, "locs", &locs, &locs_path));
   std::vector<uint16_t> rows(locs.size() * kHeadDim);
-  if (absl::Status s = reference::DequantizeGather(geometry, pool, locs, rows); !s.ok()) {
+  cpu::ThreadPool workers(cpu::DefaultThreadCount());
+  if (absl::Status s = cpu::DequantizeGather(geometry, pool, locs, rows, kHeadDim, &workers);
+      !s.ok()) {
     return Invalid(s);
   }
   KVF_TRY(Save(args, "rows",
@@ -154,7 +158,8 @@ Outcome Transcode(const Args& args, std::ostream& out) {
   KVF_TRY(Load(args, "locs", &locs, &locs_path));
   to.num_pages = from.num_pages;
   std::vector<uint8_t> dst(to.pool_bytes(), 0);
-  if (absl::Status s = reference::Transcode(from, src, to, dst, locs); !s.ok()) {
+  cpu::ThreadPool workers(cpu::DefaultThreadCount());
+  if (absl::Status s = cpu::Transcode(from, src, to, dst, locs, &workers); !s.ok()) {
     return Invalid(s);
   }
   KVF_TRY(Save(args, "out", dst));

@@ -93,4 +93,33 @@ inline std::vector<GoldenCase> GoldenCases() {
 
 inline std::vector<Layout> AllLayouts() { return {Layout::kV4, Layout::kV41, Layout::kV41Fp4}; }
 
+// One golden case in one layout: the parameter of the golden tests.
+struct GoldenParam {
+  std::string case_name;
+  Layout layout;
+};
+
+inline std::vector<GoldenParam> AllGoldenParams() {
+  std::vector<GoldenParam> params;
+  for (const char* name : {"edge_p16", "latent_p64", "wide_p256"}) {
+    for (Layout layout : AllLayouts()) params.push_back({name, layout});
+  }
+  return params;
+}
+
+// A test name for the parameter, e.g. "latent_p64_v41".
+inline std::string GoldenParamName(const GoldenParam& param) {
+  return param.case_name + "_" + LayoutName(param.layout);
+}
+
+// Index of the first differing element, or -1 (0 when the sizes differ).
+template <typename T>
+int64_t FirstDifference(const std::vector<T>& a, const std::vector<T>& b) {
+  if (a.size() != b.size()) return 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i] != b[i]) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
 }  // namespace kvferry::testing

@@ -10,31 +10,17 @@
 namespace kvferry {
 namespace {
 
+using testing::FirstDifference;
 using testing::GoldenCase;
 using testing::ReadArray;
 using testing::ReadBytes;
 
-struct Param {
-  std::string case_name;
-  Layout layout;
-};
-
-class ReferenceGoldenTest : public ::testing::TestWithParam<Param> {
+class ReferenceGoldenTest : public ::testing::TestWithParam<testing::GoldenParam> {
  protected:
   void SetUp() override { c_ = testing::LoadGoldenCase(GetParam().case_name); }
   std::string Name() const { return LayoutName(GetParam().layout); }
   GoldenCase c_;
 };
-
-// Index of the first differing byte, or -1.
-template <typename T>
-int64_t FirstDifference(const std::vector<T>& a, const std::vector<T>& b) {
-  if (a.size() != b.size()) return 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (a[i] != b[i]) return static_cast<int64_t>(i);
-  }
-  return -1;
-}
 
 TEST_P(ReferenceGoldenTest, QuantizeStoreReproducesPool) {
   const auto rows = ReadArray<uint16_t>(c_.file("input.bf16"));
@@ -86,17 +72,10 @@ TEST_P(ReferenceGoldenTest, RoundTripErrorMatchesCaseFile) {
   EXPECT_NEAR(std::sqrt(err / ref), c_.layout(GetParam().layout).relative_l2_error, 1e-5);
 }
 
-std::vector<Param> AllParams() {
-  std::vector<Param> params;
-  for (const char* name : {"edge_p16", "latent_p64", "wide_p256"}) {
-    for (Layout layout : testing::AllLayouts()) params.push_back({name, layout});
-  }
-  return params;
-}
-
-INSTANTIATE_TEST_SUITE_P(Golden, ReferenceGoldenTest, ::testing::ValuesIn(AllParams()),
-                         [](const ::testing::TestParamInfo<Param>& info) {
-                           return info.param.case_name + "_" + LayoutName(info.param.layout);
+INSTANTIATE_TEST_SUITE_P(Golden, ReferenceGoldenTest,
+                         ::testing::ValuesIn(testing::AllGoldenParams()),
+                         [](const ::testing::TestParamInfo<testing::GoldenParam>& info) {
+                           return testing::GoldenParamName(info.param);
                          });
 
 }  // namespace

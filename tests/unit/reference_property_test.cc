@@ -148,5 +148,31 @@ TEST(ReferencePageCopyTest, GatherThenScatterRestoresListedPagesOnly) {
   }
 }
 
+TEST(ReferencePageCopyTest, ZeroPagesClearsEveryLayerOfTheListedPagesOnly) {
+  const PageCopyGeometry g{1000, 12, 3};
+  std::vector<uint8_t> pool(g.pool_bytes());
+  for (size_t i = 0; i < pool.size(); ++i) pool[i] = static_cast<uint8_t>(i * 131 + 7) | 1;
+  const std::vector<uint8_t> before = pool;
+  ASSERT_TRUE(reference::ZeroPages(g, std::vector<int64_t>{9, 2, 9}, pool).ok());
+  for (int layer = 0; layer < g.num_layers; ++layer) {
+    for (int64_t page = 0; page < g.num_pages; ++page) {
+      const bool listed = page == 9 || page == 2;
+      const int64_t at = layer * g.num_pages * g.page_bytes + page * g.page_bytes;
+      for (int64_t b = 0; b < g.page_bytes; ++b) {
+        ASSERT_EQ(pool[at + b], listed ? 0 : before[at + b]) << layer << " " << page;
+      }
+    }
+  }
+}
+
+TEST(ReferencePageCopyTest, ZeroPagesWithAPageOutOfRangeChangesNothing) {
+  const PageCopyGeometry g{1000, 12, 3};
+  std::vector<uint8_t> pool(g.pool_bytes(), 0xAB);
+  const absl::Status s = reference::ZeroPages(g, std::vector<int64_t>{1, 12}, pool);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("page 1 is 12, outside [0, 12)"), std::string::npos) << s;
+  EXPECT_TRUE(std::all_of(pool.begin(), pool.end(), [](uint8_t b) { return b == 0xAB; }));
+}
+
 }  // namespace
 }  // namespace kvferry

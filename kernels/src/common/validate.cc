@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvferry/kernels/numerics.h"
 #include "kvferry/kernels/ops.h"
+#include "kvferry/kernels/status_macros.h"
 
 namespace kvferry {
 
@@ -33,6 +34,36 @@ absl::Status ValidatePageCopyGeometry(const PageCopyGeometry& geometry) {
     return absl::InvalidArgumentError(absl::StrCat(
         "page copy geometry needs positive sizes, got page_bytes ", geometry.page_bytes,
         ", num_pages ", geometry.num_pages, ", num_layers ", geometry.num_layers));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateSpanBytes(size_t have, int64_t want, const char* what) {
+  if (static_cast<int64_t>(have) != want) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " holds ", have, " bytes, the geometry needs ", want));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidatePageCopy(const PageCopyGeometry& geometry, size_t pool_size,
+                              std::span<const int64_t> pages, size_t buffer_size, bool unique) {
+  KVF_RETURN_IF_ERROR(ValidatePageCopyGeometry(geometry));
+  KVF_RETURN_IF_ERROR(ValidateSpanBytes(pool_size, geometry.pool_bytes(), "pool"));
+  KVF_RETURN_IF_ERROR(
+      ValidateSpanBytes(buffer_size, geometry.buffer_bytes(pages.size()), "page buffer"));
+  return ValidateLocations(pages, geometry.num_pages, unique, "page");
+}
+
+absl::Status ValidateWorkspace(int64_t num_rows, size_t out_size, int64_t out_row_stride) {
+  if (out_row_stride < kHeadDim) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("workspace row stride ", out_row_stride, " is below ", kHeadDim));
+  }
+  const int64_t needed = num_rows == 0 ? 0 : (num_rows - 1) * out_row_stride + kHeadDim;
+  if (static_cast<int64_t>(out_size) < needed) {
+    return absl::InvalidArgumentError(absl::StrCat("workspace holds ", out_size, " values, ",
+                                                   num_rows, " rows need ", needed));
   }
   return absl::OkStatus();
 }

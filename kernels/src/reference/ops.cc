@@ -24,14 +24,6 @@ float TileAmax(const uint16_t* row, int begin, int count) {
   return numerics::BitsToFloat(amax_bits);
 }
 
-absl::Status CheckSpan(size_t have, int64_t want, const char* what) {
-  if (static_cast<int64_t>(have) != want) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, " holds ", have, " bytes, the geometry needs ", want));
-  }
-  return absl::OkStatus();
-}
-
 }  // namespace
 
 void QuantizeRow(Layout layout, const uint16_t* row, uint8_t* data, uint8_t* scale) {
@@ -101,7 +93,7 @@ void DequantizeRow(Layout layout, const uint8_t* data, const uint8_t* scale, uin
 absl::Status QuantizeStore(const PoolGeometry& geometry, std::span<const uint16_t> rows,
                            std::span<const int64_t> locs, std::span<uint8_t> pool) {
   KVF_RETURN_IF_ERROR(ValidateGeometry(geometry));
-  KVF_RETURN_IF_ERROR(CheckSpan(pool.size(), geometry.pool_bytes(), "pool"));
+  KVF_RETURN_IF_ERROR(ValidateSpanBytes(pool.size(), geometry.pool_bytes(), "pool"));
   KVF_RETURN_IF_ERROR(ValidateRowShape(static_cast<int64_t>(rows.size()),
                                        static_cast<int64_t>(locs.size())));
   KVF_RETURN_IF_ERROR(ValidateFinite(rows));
@@ -118,17 +110,9 @@ absl::Status DequantizeGather(const PoolGeometry& geometry, std::span<const uint
                               std::span<const int64_t> locs, std::span<uint16_t> out,
                               int64_t out_row_stride) {
   KVF_RETURN_IF_ERROR(ValidateGeometry(geometry));
-  KVF_RETURN_IF_ERROR(CheckSpan(pool.size(), geometry.pool_bytes(), "pool"));
-  if (out_row_stride < kHeadDim) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("workspace row stride ", out_row_stride, " is below ", kHeadDim));
-  }
+  KVF_RETURN_IF_ERROR(ValidateSpanBytes(pool.size(), geometry.pool_bytes(), "pool"));
   const int64_t n = static_cast<int64_t>(locs.size());
-  const int64_t needed = n == 0 ? 0 : (n - 1) * out_row_stride + kHeadDim;
-  if (static_cast<int64_t>(out.size()) < needed) {
-    return absl::InvalidArgumentError(absl::StrCat("workspace holds ", out.size(),
-                                                   " values, ", n, " rows need ", needed));
-  }
+  KVF_RETURN_IF_ERROR(ValidateWorkspace(n, out.size(), out_row_stride));
   KVF_RETURN_IF_ERROR(ValidateLocations(locs, geometry.num_tokens(), /*unique=*/false));
   for (int64_t i = 0; i < n; ++i) {
     const RecordOffsets at = LocateRecord(geometry, locs[i]);
@@ -143,8 +127,8 @@ absl::Status Transcode(const PoolGeometry& from, std::span<const uint8_t> src,
                        std::span<const int64_t> locs) {
   KVF_RETURN_IF_ERROR(ValidateGeometry(from));
   KVF_RETURN_IF_ERROR(ValidateGeometry(to));
-  KVF_RETURN_IF_ERROR(CheckSpan(src.size(), from.pool_bytes(), "source pool"));
-  KVF_RETURN_IF_ERROR(CheckSpan(dst.size(), to.pool_bytes(), "destination pool"));
+  KVF_RETURN_IF_ERROR(ValidateSpanBytes(src.size(), from.pool_bytes(), "source pool"));
+  KVF_RETURN_IF_ERROR(ValidateSpanBytes(dst.size(), to.pool_bytes(), "destination pool"));
   const int64_t limit = std::min(from.num_tokens(), to.num_tokens());
   KVF_RETURN_IF_ERROR(ValidateLocations(locs, limit, /*unique=*/true));
   uint16_t row[kHeadDim];
@@ -156,18 +140,6 @@ absl::Status Transcode(const PoolGeometry& from, std::span<const uint8_t> src,
   }
   return absl::OkStatus();
 }
-
-namespace {
-
-absl::Status ValidatePageCopy(const PageCopyGeometry& geometry, size_t pool_size,
-                              std::span<const int64_t> pages, size_t buffer_size, bool unique) {
-  KVF_RETURN_IF_ERROR(ValidatePageCopyGeometry(geometry));
-  KVF_RETURN_IF_ERROR(CheckSpan(pool_size, geometry.pool_bytes(), "pool"));
-  KVF_RETURN_IF_ERROR(CheckSpan(buffer_size, geometry.buffer_bytes(pages.size()), "page buffer"));
-  return ValidateLocations(pages, geometry.num_pages, unique, "page");
-}
-
-}  // namespace
 
 absl::Status GatherPages(const PageCopyGeometry& geometry, std::span<const uint8_t> pool,
                          std::span<const int64_t> pages, std::span<uint8_t> buffer) {
@@ -194,6 +166,21 @@ absl::Status ScatterPages(const PageCopyGeometry& geometry, std::span<const uint
       std::memcpy(pool.data() + layer * layer_bytes + page * geometry.page_bytes, in,
                   geometry.page_bytes);
       in += geometry.page_bytes;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ZeroPages(const PageCopyGeometry& geometry, std::span<const int64_t> pages,
+                       std::span<uint8_t> pool) {
+  KVF_RETURN_IF_ERROR(ValidatePageCopyGeometry(geometry));
+  KVF_RETURN_IF_ERROR(ValidateSpanBytes(pool.size(), geometry.pool_bytes(), "pool"));
+  KVF_RETURN_IF_ERROR(ValidateLocations(pages, geometry.num_pages, /*unique=*/false, "page"));
+  const int64_t layer_bytes = geometry.num_pages * geometry.page_bytes;
+  for (const int64_t page : pages) {
+    for (int layer = 0; layer < geometry.num_layers; ++layer) {
+      std::memset(pool.data() + layer * layer_bytes + page * geometry.page_bytes, 0,
+                  geometry.page_bytes);
     }
   }
   return absl::OkStatus();

@@ -57,6 +57,11 @@ absl::Status GatherPages(const PageCopyGeometry& geometry, std::span<const uint8
 absl::Status ScatterPages(const PageCopyGeometry& geometry, std::span<const uint8_t> buffer,
                           std::span<const int64_t> pages, std::span<uint8_t> pool);
 
+// Zeroes every layer of the listed pages of pool (repeats allowed), as a freed page must
+// read: a new pool is zero-filled (spec §3).
+absl::Status ZeroPages(const PageCopyGeometry& geometry, std::span<const int64_t> pages,
+                       std::span<uint8_t> pool);
+
 // Row-level primitives, shared with callers that already validated their input.
 // QuantizeRow: one finite bf16 row → its data and scale records.
 void QuantizeRow(Layout layout, const uint16_t* row, uint8_t* data, uint8_t* scale);

@@ -18,6 +18,18 @@ absl::Status ValidateGeometry(const PoolGeometry& geometry);
 struct PageCopyGeometry;  // kvferry/kernels/ops.h
 absl::Status ValidatePageCopyGeometry(const PageCopyGeometry& geometry);
 
+// A caller's span holds exactly the bytes the geometry needs; `what` names it in the message.
+absl::Status ValidateSpanBytes(size_t have, int64_t want, const char* what);
+
+// A page copy: the geometry, the pool and page-buffer spans, every page in range and, when
+// `unique`, no page listed twice.
+absl::Status ValidatePageCopy(const PageCopyGeometry& geometry, size_t pool_size,
+                              std::span<const int64_t> pages, size_t buffer_size, bool unique);
+
+// A dequantize-gather workspace: the row stride is at least 512 and `out_size` values hold
+// `num_rows` rows at that stride.
+absl::Status ValidateWorkspace(int64_t num_rows, size_t out_size, int64_t out_row_stride);
+
 // `num_values` bf16 values form whole 512-value rows.
 absl::Status ValidateRowShape(int64_t num_values, int64_t num_rows);
 

@@ -1,0 +1,55 @@
+// The KV ops on host memory, fast: vectorized (Highway, runtime dispatch to the best
+// instruction set of the CPU) and split across a worker pool for large requests.
+//
+// Each op has the reference's signature (kvferry/kernels/ops.h), validates exactly as the
+// reference does (same checks in the same order, same status codes and messages), writes
+// nothing on error, and produces the reference's bytes for every input. `workers` is
+// borrowed for the call; nullptr, or a request too small to split, runs on the calling
+// thread. Thread-compatible: concurrent calls may share one pool but must not write the
+// same memory.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "absl/status/status.h"
+#include "kvferry/kernels/cpu_thread_pool.h"
+#include "kvferry/kernels/format.h"
+#include "kvferry/kernels/ops.h"
+
+namespace kvferry::cpu {
+
+// reference::QuantizeStore.
+absl::Status QuantizeStore(const PoolGeometry& geometry, std::span<const uint16_t> rows,
+                           std::span<const int64_t> locs, std::span<uint8_t> pool,
+                           ThreadPool* workers = nullptr);
+
+// reference::DequantizeGather.
+absl::Status DequantizeGather(const PoolGeometry& geometry, std::span<const uint8_t> pool,
+                              std::span<const int64_t> locs, std::span<uint16_t> out,
+                              int64_t out_row_stride = kHeadDim, ThreadPool* workers = nullptr);
+
+// reference::Transcode.
+absl::Status Transcode(const PoolGeometry& from, std::span<const uint8_t> src,
+                       const PoolGeometry& to, std::span<uint8_t> dst,
+                       std::span<const int64_t> locs, ThreadPool* workers = nullptr);
+
+// reference::GatherPages.
+absl::Status GatherPages(const PageCopyGeometry& geometry, std::span<const uint8_t> pool,
+                         std::span<const int64_t> pages, std::span<uint8_t> buffer,
+                         ThreadPool* workers = nullptr);
+
+// reference::ScatterPages.
+absl::Status ScatterPages(const PageCopyGeometry& geometry, std::span<const uint8_t> buffer,
+                          std::span<const int64_t> pages, std::span<uint8_t> pool,
+                          ThreadPool* workers = nullptr);
+
+// reference::ZeroPages.
+absl::Status ZeroPages(const PageCopyGeometry& geometry, std::span<const int64_t> pages,
+                       std::span<uint8_t> pool, ThreadPool* workers = nullptr);
+
+// The name of the instruction set the ops dispatch to on this CPU (e.g. "AVX2"), for logs
+// and benchmark tables.
+const char* DispatchedTargetName();
+
+}  // namespace kvferry::cpu

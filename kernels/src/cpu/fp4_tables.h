@@ -1,0 +1,28 @@
+// Lookup tables of the cpu fast path's V41_FP4 coding, derived from the scalar rules of
+// numerics.h so that a lookup gives exactly the reference's answer.
+#pragma once
+
+#include <cstdint>
+
+namespace kvferry::cpu::internal {
+
+struct Fp4Tables {
+  // The scale code (numerics::Fp4ScaleCode) of a tile, by the bf16 magnitude bits of its
+  // amax (finite values only: 0..0x7F7F).
+  uint8_t scale_code[0x8000];
+  // Quantization without a division: under scale code s (1..0x7E, the codes a store can
+  // produce), a value's e2m1 magnitude code is the number of k in 0..6 with
+  // |x| bits > thresholds[s][k]. Exact because the reference's code is monotonic in |x|
+  // (an IEEE division and round-to-nearest are), so each step of the code has a last
+  // bf16 magnitude below it; entry 7 is padding.
+  alignas(16) int16_t thresholds[128][8];
+  // Dequantization: the bf16 bits of e2m1(nibble) * e4m3(s), low and high bytes, for
+  // every scale byte s and nibble: byte tables for a 16-entry in-register lookup.
+  alignas(16) uint8_t dequant_low[256][16];
+  alignas(16) uint8_t dequant_high[256][16];
+
+  // Built once, on first use (about 0.1 ms); thread-safe.
+  static const Fp4Tables& Get();
+};
+
+}  // namespace kvferry::cpu::internal

@@ -1,0 +1,31 @@
+// The cpu fast path's row loops, compiled once per instruction set (Highway) and dispatched
+// at run time to the best one the CPU supports. Inputs are validated by the caller.
+#pragma once
+
+#include <cstdint>
+
+#include "kvferry/kernels/format.h"
+
+namespace kvferry::cpu::internal {
+
+// A store in two passes, so that nothing is written before every row is known finite.
+// ScaleRows: the scale row of each of `count` rows ([count, 512] bf16) into
+// scales[i * scale_bytes ..); false if any value is NaN or Inf.
+bool ScaleRows(Layout layout, const uint16_t* rows, int64_t count, uint8_t* scales);
+// EncodeRows: rows[i] under scale row i into the record of locs[i] (data and scale row).
+// `stream`: write the data rows with non-temporal stores (for outputs far beyond the caches).
+void EncodeRows(const PoolGeometry& geometry, const uint16_t* rows, const uint8_t* scales,
+                const int64_t* locs, int64_t count, uint8_t* pool, bool stream);
+
+// The record of locs[i] into out[i * out_row_stride .. +512); `stream` as for EncodeRows.
+void DequantizeRows(const PoolGeometry& geometry, const uint8_t* pool, const int64_t* locs,
+                    int64_t count, uint16_t* out, int64_t out_row_stride, bool stream);
+
+// quantize_to(dequantize_from(record)) of each location, from src into dst.
+void TranscodeRows(const PoolGeometry& from, const uint8_t* src, const PoolGeometry& to,
+                   uint8_t* dst, const int64_t* locs, int64_t count);
+
+// The instruction set the calls above dispatch to now (e.g. "AVX2").
+const char* DispatchedTargetName();
+
+}  // namespace kvferry::cpu::internal
