@@ -16,16 +16,19 @@ namespace kvferry::server {
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   std::unique_ptr<Daemon> d(new Daemon());
   d->default_device_ = options.default_device.empty() ? DefaultDevice() : options.default_device;
-  if (absl::StatusOr<std::shared_ptr<Backend>> probe = MakeBackend(d->default_device_); !probe.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("default device: ", probe.status().message()));
-  }
   // The metrics read pool stats through the manager, created right after.
   Daemon* raw = d.get();
   d->daemon_metrics_ =
       std::make_unique<DaemonMetrics>([raw] { return raw->pools_->Stats().pools; });
-  d->pools_ = std::make_unique<PoolManager>(
-      PoolManagerOptions{d->default_device_, d->daemon_metrics_.get()});
+  PoolManagerOptions pool_options;
+  pool_options.default_device = d->default_device_;
+  pool_options.observer = d->daemon_metrics_.get();
+  pool_options.backend.cpu_threads = options.cpu_threads;
+  d->pools_ = std::make_unique<PoolManager>(std::move(pool_options));
+  // The default device's backend, made now: a bad --default_device fails start-up.
+  if (absl::Status s = d->pools_->BackendFor(d->default_device_).status(); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("default device: ", s.message()));
+  }
   // An AllocatePages reply holds at most ~26 bytes per handle; keep it well inside a message.
   options.service.max_pages_per_call =
       std::min<int64_t>(options.service.max_pages_per_call, (options.max_message_bytes - 4096) / 32);

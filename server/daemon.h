@@ -20,6 +20,7 @@ struct DaemonOptions {
   std::string metrics_listen = "127.0.0.1:9464";   // /metrics; empty disables it
   std::string default_device;                      // empty: cuda:0 if a GPU is usable, else cpu
   int64_t max_message_bytes = 4 << 20;             // largest gRPC message accepted or sent
+  int cpu_threads = 0;                             // cpu backend workers; 0: the usable cores
   ServiceOptions service;
 };
 

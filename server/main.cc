@@ -16,6 +16,8 @@ ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
           "Prometheus /metrics address (host:port); empty disables it");
 ABSL_FLAG(std::string, default_device, "",
           "Device of pools created without one: cpu or cuda:N (default: cuda:0 if a GPU is usable)");
+ABSL_FLAG(int32_t, cpu_threads, 0,
+          "Threads the cpu backend splits large requests across; 0: the cores kvferryd may use");
 ABSL_FLAG(int64_t, max_message_bytes, 4 << 20, "Largest gRPC message accepted or sent, bytes");
 ABSL_FLAG(int64_t, chunk_bytes, 1 << 20, "Default and largest read stream piece, bytes");
 ABSL_FLAG(int64_t, max_write_tokens, 1 << 20, "Most tokens one WriteTokens call may stage");
@@ -45,6 +47,7 @@ int main(int argc, char** argv) {
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.default_device = absl::GetFlag(FLAGS_default_device);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   options.service.default_chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
   options.service.max_chunk_bytes = absl::GetFlag(FLAGS_chunk_bytes);
   options.service.write_limits.max_tokens = absl::GetFlag(FLAGS_max_write_tokens);

@@ -66,8 +66,9 @@ absl::Status Backend::Run(std::span<const Op> ops) {
   return done.Wait();
 }
 
-absl::StatusOr<std::shared_ptr<Backend>> MakeBackend(const std::string& device) {
-  if (device == "cpu") return MakeCpuBackend();
+absl::StatusOr<std::shared_ptr<Backend>> MakeBackend(const std::string& device,
+                                                     const BackendOptions& options) {
+  if (device == "cpu") return MakeCpuBackend(options.cpu_threads);
   if (absl::StartsWith(device, "cuda:")) {
     int index;
     if (!absl::SimpleAtoi(device.substr(5), &index) || index < 0) {

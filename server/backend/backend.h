@@ -178,8 +178,15 @@ class Backend {
   virtual void Release(MemoryKind kind, void* ptr, size_t bytes) = 0;
 };
 
+struct BackendOptions {
+  // cpu: workers the vectorized ops split large requests across (the calling thread
+  // included); 0 means the cores this process may use (its CPU affinity).
+  int cpu_threads = 0;
+};
+
 // "cpu" or "cuda:N" (the latter only in builds with CUDA and on machines with that GPU).
-absl::StatusOr<std::shared_ptr<Backend>> MakeBackend(const std::string& device);
+absl::StatusOr<std::shared_ptr<Backend>> MakeBackend(const std::string& device,
+                                                     const BackendOptions& options = {});
 
 // The daemon's default device: cuda:0 when a GPU is usable, else cpu.
 std::string DefaultDevice();

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/errors.h"
+#include "kvferry/kernels/cpu_ops.h"
 #include "kvferry/kernels/ops.h"
 #include "kvferry/kernels/status_macros.h"
 #include "kvferry/kernels/validate.h"
@@ -25,7 +26,10 @@ absl::Status NotOnHost(const char* what) {
                absl::StrCat(what, " (memory of another process) needs a cuda pool"));
 }
 
+// The ops on host memory: the vectorized CPU path (byte-identical to the reference), with
+// large requests split across the backend's workers.
 struct HostRunner {
+  cpu::ThreadPool* workers;
   absl::Status operator()(const CopyOp& op) const {
     if (op.bytes > 0) std::memmove(op.dst, op.src, op.bytes);
     return absl::OkStatus();
@@ -36,49 +40,41 @@ struct HostRunner {
   }
   absl::Status operator()(const QuantizeStoreParams& p) const {
     if (p.row_offsets != nullptr || p.nonfinite != nullptr) return NotOnHost("rows read in place");
-    return reference::QuantizeStore(p.geometry, Span(p.rows, p.num_tokens * kHeadDim),
-                                    Span(p.locs, p.num_tokens),
-                                    Span(p.pool, p.geometry.pool_bytes()));
+    return cpu::QuantizeStore(p.geometry, Span(p.rows, p.num_tokens * kHeadDim),
+                              Span(p.locs, p.num_tokens), Span(p.pool, p.geometry.pool_bytes()),
+                              workers);
   }
   absl::Status operator()(const DequantizeGatherParams& p) const {
     if (p.out_offsets != nullptr) return NotOnHost("rows written in place");
     const int64_t out_elems =
         p.num_tokens == 0 ? 0 : (p.num_tokens - 1) * p.out_row_stride + kHeadDim;
-    return reference::DequantizeGather(p.geometry, Span(p.pool, p.geometry.pool_bytes()),
-                                       Span(p.locs, p.num_tokens), Span(p.out, out_elems),
-                                       p.out_row_stride);
+    return cpu::DequantizeGather(p.geometry, Span(p.pool, p.geometry.pool_bytes()),
+                                 Span(p.locs, p.num_tokens), Span(p.out, out_elems),
+                                 p.out_row_stride, workers);
   }
   absl::Status operator()(const TranscodeParams& p) const {
     if (p.dst_locs != nullptr) return NotOnHost("records transcoded in place");
-    return reference::Transcode(p.from, Span(p.src, p.from.pool_bytes()), p.to,
-                                Span(p.dst, p.to.pool_bytes()), Span(p.locs, p.num_tokens));
+    return cpu::Transcode(p.from, Span(p.src, p.from.pool_bytes()), p.to,
+                          Span(p.dst, p.to.pool_bytes()), Span(p.locs, p.num_tokens), workers);
   }
   absl::Status operator()(const GatherPagesOp& op) const {
     const PageCopyParams& p = op.params;
     if (p.buffer_pages != nullptr) return NotOnHost("pages copied in place");
-    return reference::GatherPages(p.geometry, Span(p.pool, p.geometry.pool_bytes()),
-                                  Span(p.pages, p.num_listed),
-                                  Span(p.buffer, p.geometry.buffer_bytes(p.num_listed)));
+    return cpu::GatherPages(p.geometry, Span(p.pool, p.geometry.pool_bytes()),
+                            Span(p.pages, p.num_listed),
+                            Span(p.buffer, p.geometry.buffer_bytes(p.num_listed)), workers);
   }
   absl::Status operator()(const ScatterPagesOp& op) const {
     const PageCopyParams& p = op.params;
     if (p.buffer_pages != nullptr) return NotOnHost("pages copied in place");
-    return reference::ScatterPages(p.geometry, Span(p.buffer, p.geometry.buffer_bytes(p.num_listed)),
-                                   Span(p.pages, p.num_listed),
-                                   Span(p.pool, p.geometry.pool_bytes()));
+    return cpu::ScatterPages(p.geometry, Span(p.buffer, p.geometry.buffer_bytes(p.num_listed)),
+                             Span(p.pages, p.num_listed), Span(p.pool, p.geometry.pool_bytes()),
+                             workers);
   }
   absl::Status operator()(const ZeroPagesOp& op) const {
     const PageCopyParams& p = op.params;
-    const PageCopyGeometry& g = p.geometry;
-    KVF_RETURN_IF_ERROR(ValidatePageCopyGeometry(g));
-    KVF_RETURN_IF_ERROR(ValidateLocations(Span(p.pages, p.num_listed), g.num_pages,
-                                          /*unique=*/false, "page"));
-    for (int64_t i = 0; i < p.num_listed; ++i) {
-      for (int layer = 0; layer < g.num_layers; ++layer) {
-        std::memset(p.pool + (layer * g.num_pages + p.pages[i]) * g.page_bytes, 0, g.page_bytes);
-      }
-    }
-    return absl::OkStatus();
+    return cpu::ZeroPages(p.geometry, Span(p.pages, p.num_listed),
+                          Span(p.pool, p.geometry.pool_bytes()), workers);
   }
   absl::Status operator()(const CompressOp& op) const { return reference::Compress(op.params); }
   absl::Status operator()(const ExpandBlockIndicesParams& p) const {
@@ -94,6 +90,9 @@ struct HostRunner {
 
 class CpuBackend final : public Backend {
  public:
+  explicit CpuBackend(int threads)
+      : workers_(threads > 0 ? threads : cpu::DefaultThreadCount()) {}
+
   const std::string& device() const override { return device_; }
 
   absl::StatusOr<uint64_t> FreeBytes() override {
@@ -126,7 +125,8 @@ class CpuBackend final : public Backend {
 
   absl::StatusOr<Completion> Submit(std::span<const Op> ops) override {
     for (const Op& op : ops) {
-      KVF_RETURN_IF_ERROR(WithReason(RunOnHost(op), ErrorReason::kDeviceError));
+      KVF_RETURN_IF_ERROR(
+          WithReason(std::visit(HostRunner{&workers_}, op), ErrorReason::kDeviceError));
     }
     return Completion();
   }
@@ -136,12 +136,13 @@ class CpuBackend final : public Backend {
 
  private:
   const std::string device_ = "cpu";
+  cpu::ThreadPool workers_;
 };
 
 }  // namespace
 
-absl::Status RunOnHost(const Op& op) { return std::visit(HostRunner{}, op); }
-
-std::shared_ptr<Backend> MakeCpuBackend() { return std::make_shared<CpuBackend>(); }
+std::shared_ptr<Backend> MakeCpuBackend(int threads) {
+  return std::make_shared<CpuBackend>(threads);
+}
 
 }  // namespace kvferry::server

@@ -7,9 +7,8 @@
 
 namespace kvferry::server {
 
-std::shared_ptr<Backend> MakeCpuBackend();
-
-// Runs one op on host pointers, synchronously (shared by backends that fall back to it).
-absl::Status RunOnHost(const Op& op);
+// `threads`: workers the vectorized ops split large requests across (the calling thread
+// included); 0 means the cores this process may use.
+std::shared_ptr<Backend> MakeCpuBackend(int threads = 0);
 
 }  // namespace kvferry::server

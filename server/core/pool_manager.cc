@@ -25,7 +25,8 @@ absl::StatusOr<std::shared_ptr<Backend>> PoolManager::BackendFor(const std::stri
     if (it != backends_.end()) return it->second;
   }
   KVF_ASSIGN_OR_RETURN(std::shared_ptr<Backend> backend,
-                       options_.make_backend ? options_.make_backend(device) : MakeBackend(device));
+                       options_.make_backend ? options_.make_backend(device)
+                                              : MakeBackend(device, options_.backend));
   absl::MutexLock lock(&mu_);
   return backends_.try_emplace(device, std::move(backend)).first->second;
 }

@@ -19,6 +19,8 @@ struct PoolManagerOptions {
   std::string default_device = "cpu";
   // Receives device op timings (metrics); may be null.
   OpObserver* observer = nullptr;
+  // Options of the backends made by MakeBackend.
+  BackendOptions backend;
   // Makes the backend of a device; default MakeBackend (tests inject faults here).
   std::function<absl::StatusOr<std::shared_ptr<Backend>>(const std::string&)> make_backend;
 };

@@ -369,7 +369,7 @@ TEST(CoreFaultTest, EveryAllocationCopyAndOpFailureOfAWriteLeavesThePoolAsItWas)
 // ---- manager -------------------------------------------------------------------------------------
 
 TEST(PoolManagerTest, NamesIncarnationsTotalsAndDeletion) {
-  PoolManager manager(PoolManagerOptions{"cpu", nullptr, nullptr});
+  PoolManager manager(PoolManagerOptions{"cpu", nullptr, {}, nullptr});
   PoolConfig config{"a", Layout::kV4, 16, 4, 1};
   auto a = manager.Create(config, "");
   ASSERT_TRUE(a.ok());
@@ -406,7 +406,7 @@ TEST(PoolManagerTest, NamesIncarnationsTotalsAndDeletion) {
 }
 
 TEST(PoolManagerTest, ConcurrentWritersOfDisjointPagesAllLandExactly) {
-  PoolManager manager(PoolManagerOptions{"cpu", nullptr, nullptr});
+  PoolManager manager(PoolManagerOptions{"cpu", nullptr, {}, nullptr});
   auto pool = *manager.Create(PoolConfig{"c", Layout::kV4, 64, 32, 1}, "");
   std::vector<std::thread> threads;
   std::atomic<int> failures{0};

@@ -38,7 +38,7 @@ class ServiceTest : public ::testing::Test {
  protected:
   void SetUp() override {
     fault_ = std::make_shared<testing::FaultBackend>(MakeCpuBackend());
-    PoolManagerOptions options{"cpu", nullptr, [this](const std::string&) {
+    PoolManagerOptions options{"cpu", nullptr, {}, [this](const std::string&) {
                                  return absl::StatusOr<std::shared_ptr<Backend>>(fault_);
                                }};
     pools_ = std::make_unique<PoolManager>(options);
