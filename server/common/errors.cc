@@ -20,6 +20,7 @@ constexpr const char* kNames[kNumErrorReasons] = {
     "STREAM_TARGET_CHANGED", "PAGE_INCOMPLETE", "PAGE_BYTES_OUT_OF_ORDER", "EMPTY_WRITE",
     "TOO_MANY_PAGES", "HANDLE_GENERATION_CHANGED", "INVALID_REQUEST", "DEVICE_ERROR",
     "CLIENT_CANCELLED", "DEADLINE_EXCEEDED", "INTERNAL_ERROR", "SHUTTING_DOWN",
+    "QUOTA_EXCEEDED", "NOT_AUTHENTICATED",
 };
 
 }  // namespace
@@ -63,6 +64,8 @@ ErrorReason ReasonOf(const absl::Status& status) {
       return ErrorReason::kShuttingDown;
     case absl::StatusCode::kNotFound:
       return ErrorReason::kPoolNotFound;
+    case absl::StatusCode::kUnauthenticated:
+      return ErrorReason::kNotAuthenticated;
     default:
       return ErrorReason::kInternalError;
   }

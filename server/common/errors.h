@@ -46,8 +46,10 @@ enum class ErrorReason {
   kDeadlineExceeded,
   kInternalError,
   kShuttingDown,
+  kQuotaExceeded,
+  kNotAuthenticated,
 };
-inline constexpr int kNumErrorReasons = static_cast<int>(ErrorReason::kShuttingDown) + 1;
+inline constexpr int kNumErrorReasons = static_cast<int>(ErrorReason::kNotAuthenticated) + 1;
 
 // The proto name of a reason ("STALE_PAGE_HANDLE").
 const char* ReasonName(ErrorReason reason);
