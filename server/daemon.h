@@ -8,7 +8,10 @@
 
 #include "absl/status/statusor.h"
 #include "core/pool_manager.h"
+#include "core/tenant.h"
 #include "metrics/metrics.h"
+#include "security/authenticator.h"
+#include "security/tls.h"
 #include "service/pool_service.h"
 
 namespace kvferry::server {
@@ -19,6 +22,13 @@ struct DaemonOptions {
   std::string default_device;                      // empty: cuda:0 if a GPU is usable, else cpu
   int64_t max_message_bytes = 4 << 20;             // largest gRPC message accepted or sent
   ServiceOptions service;
+  // gRPC transport: TLS or mutual TLS; plaintext only on loopback unless
+  // tls.allow_insecure_remote (which also lets /metrics listen off loopback, always plain).
+  TlsOptions tls;
+  // Bearer tokens and tenants (security/token_file.h); empty: no tokens, every caller is
+  // the one default tenant. Re-read every tls.reload_seconds when it changed, and on
+  // ReloadTokens().
+  std::string auth_tokens_file;
 };
 
 class Daemon {
@@ -30,6 +40,12 @@ class Daemon {
   int grpc_port() const { return grpc_port_; }
   int metrics_port() const { return metrics_ ? metrics_->port() : 0; }
   const std::string& default_device() const { return default_device_; }
+  // A one-line description of the security in force, for the start-up log.
+  const std::string& security_summary() const { return security_summary_; }
+
+  // Re-reads the token file now (SIGHUP); on an error the tokens in force stay. OK when
+  // there is no token file.
+  absl::Status ReloadTokens();
 
   // Stops accepting, lets in-flight RPCs finish (cancelling those still running after
   // `grace_seconds`), stops /metrics and frees every pool.
@@ -38,7 +54,11 @@ class Daemon {
  private:
   Daemon() = default;
   std::string default_device_;
+  std::string security_summary_;
   std::unique_ptr<DaemonMetrics> daemon_metrics_;
+  TenantRegistry tenants_;
+  std::unique_ptr<Authenticator> auth_;
+  TokenAuthenticator* tokens_ = nullptr;  // auth_, when it is the token file's
   std::unique_ptr<PoolManager> pools_;
   std::unique_ptr<KvFerryService> service_;
   std::unique_ptr<grpc::Server> server_;

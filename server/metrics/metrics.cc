@@ -135,8 +135,11 @@ void DaemonMetrics::RecordOp(const char* op, Layout layout, double seconds) {
 std::string DaemonMetrics::Render() const {
   std::string out;
   const std::vector<PoolStats> pools = pools_();
+  // Pools are namespaced by tenant: its name (never a token) tells same-named pools
+  // apart. The default tenant of a daemon without tokens has no label.
   auto labels = [](const PoolStats& p) {
-    return absl::StrCat("pool=\"", Escape(p.name), "\",layout=\"", LayoutName(p.layout),
+    return absl::StrCat(p.tenant.empty() ? "" : absl::StrCat("tenant=\"", Escape(p.tenant), "\","),
+                        "pool=\"", Escape(p.name), "\",layout=\"", LayoutName(p.layout),
                         "\",device=\"", Escape(p.device), "\"");
   };
   auto simple = [&](const char* name, const char* help, auto value) {
