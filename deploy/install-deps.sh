@@ -9,7 +9,7 @@ packages=(
   libgrpc++-dev libgrpc-dev protobuf-compiler protobuf-compiler-grpc libprotobuf-dev
   libabsl-dev libucx-dev ucx-utils libspdlog-dev libfmt-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
-  libcpp-httplib-dev libxxhash-dev
+  libcpp-httplib-dev libxxhash-dev libssl-dev openssl
   prometheus curl python3
 )
 

@@ -36,8 +36,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
       ServerCredentials(options.listen, options.tls);
   if (!credentials.ok()) return credentials.status();
-  if (!options.metrics_listen.empty()) {
-    // /metrics is plain HTTP: it carries pool names and sizes, never tokens or rows.
+  const bool tls = !options.tls.cert_file.empty();
+  if (!options.metrics_listen.empty() && !tls) {
     if (absl::Status s = CheckPlaintextAllowed("/metrics", options.metrics_listen,
                                                options.tls.allow_insecure_remote);
         !s.ok()) {
@@ -55,11 +55,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
     d->tokens_ = tokens->get();
     d->auth_ = std::move(*tokens);
   }
-  const char* tls = options.tls.cert_file.empty()        ? "off"
-                    : options.tls.client_ca_file.empty() ? "on"
-                                                         : "mutual";
   d->security_summary_ =
-      absl::StrCat("tls=", tls, " tokens=", options.auth_tokens_file.empty() ? "off" : "on");
+      absl::StrCat("tls=", !tls ? "off" : options.tls.client_ca_file.empty() ? "on" : "mutual",
+                   " tokens=", options.auth_tokens_file.empty() ? "off" : "on");
 
   d->default_device_ = options.default_device.empty() ? DefaultDevice() : options.default_device;
   if (absl::StatusOr<std::shared_ptr<Backend>> probe = MakeBackend(d->default_device_); !probe.ok()) {
@@ -103,7 +101,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   d->server_->GetHealthCheckService()->SetServingStatus(true);
   if (!options.metrics_listen.empty()) {
     absl::StatusOr<std::unique_ptr<MetricsServer>> m =
-        MetricsServer::Start(options.metrics_listen, d->daemon_metrics_.get());
+        MetricsServer::Start(options.metrics_listen, d->daemon_metrics_.get(),
+                             tls ? HttpsSetup(options.tls) : nullptr);
     if (!m.ok()) {
       d->Shutdown(0);
       return m.status();

@@ -22,8 +22,8 @@ struct DaemonOptions {
   std::string default_device;                      // empty: cuda:0 if a GPU is usable, else cpu
   int64_t max_message_bytes = 4 << 20;             // largest gRPC message accepted or sent
   ServiceOptions service;
-  // gRPC transport: TLS or mutual TLS; plaintext only on loopback unless
-  // tls.allow_insecure_remote (which also lets /metrics listen off loopback, always plain).
+  // gRPC and /metrics transport: TLS or mutual TLS from the same files (/metrics as HTTPS);
+  // without TLS, plaintext only on loopback unless tls.allow_insecure_remote.
   TlsOptions tls;
   // Bearer tokens and tenants (security/token_file.h); empty: no tokens, every caller is
   // the one default tenant. Re-read every tls.reload_seconds when it changed, and on

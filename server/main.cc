@@ -52,6 +52,9 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   sigaddset(&signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+  // A client that hangs up while /metrics answers over HTTPS (OpenSSL writes with write())
+  // must cost that connection, not the daemon.
+  signal(SIGPIPE, SIG_IGN);
 
   kvferry::server::DaemonOptions options;
   options.listen = absl::GetFlag(FLAGS_listen);

@@ -4,10 +4,13 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 
 #include "absl/status/statusor.h"
+
+struct ssl_ctx_st;  // OpenSSL's SSL_CTX
 
 namespace kvferry::server {
 
@@ -33,6 +36,12 @@ bool IsLoopback(const std::string& address);
 // every handshake does not start.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentials(
     const std::string& listen, const TlsOptions& options);
+
+// The same TLS for an HTTPS endpoint (/metrics): sets up an SSL_CTX whose handshakes use
+// the files' current contents (re-read every reload_seconds when they changed; a change
+// that does not load keeps the previous ones), requiring a client certificate signed by
+// client_ca_file when it is set. Call after ServerCredentials() accepted the options.
+std::function<bool(ssl_ctx_st&)> HttpsSetup(const TlsOptions& options);
 
 // The plaintext rule alone, for a listener that has no TLS (`what` names it in the error).
 absl::Status CheckPlaintextAllowed(const std::string& what, const std::string& address,

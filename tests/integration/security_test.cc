@@ -93,6 +93,8 @@ struct Pki {
     WriteFile(dir + "/ca.pem", ca.CertPem());
     WriteFile(dir + "/server.pem", server.CertPem());
     WriteFile(dir + "/server.key", server.KeyPem());
+    WriteFile(dir + "/client.pem", client.CertPem());
+    WriteFile(dir + "/client.key", client.KeyPem());
   }
   ~Pki() { std::system(("rm -rf '" + dir + "'").c_str()); }
   std::vector<std::string> Flags(bool mutual) const {
@@ -103,6 +105,21 @@ struct Pki {
     return f;
   }
 };
+
+// GET /metrics over HTTPS trusting `ca_file`, with the client certificate when given; the
+// HTTP status, or -1 when no response came.
+int HttpsMetrics(int port, const std::string& ca_file, const std::string& cert = "",
+                 const std::string& key = "") {
+  // OpenSSL writes to the socket with write(): a server that hangs up on a refused
+  // handshake must not kill the test with SIGPIPE.
+  signal(SIGPIPE, SIG_IGN);
+  httplib::SSLClient client("127.0.0.1", port, cert, key);
+  client.set_ca_cert_path(ca_file.c_str());
+  client.enable_server_certificate_verification(true);
+  client.set_connection_timeout(5);
+  auto res = client.Get("/metrics");
+  return res ? res->status : -1;
+}
 
 TEST(TlsTest, MutualTlsRefusesEveryBadClientAndServesTheGoodOne) {
   Pki pki;
@@ -125,6 +142,22 @@ TEST(TlsTest, MutualTlsRefusesEveryBadClientAndServesTheGoodOne) {
   const grpc::Status good = List(MakeChannel(d.grpc_port(), Tls(pki.ca, &pki.client)));
   EXPECT_TRUE(good.ok()) << good.error_message();
   EXPECT_TRUE(List(MakeChannel(d.grpc_port(), Tls(pki.ca, &pki.client), "", "localhost")).ok());
+
+  // /metrics: the same certificates, over HTTPS.
+  httplib::Client plain("127.0.0.1", d.metrics_port());
+  plain.set_connection_timeout(5);
+  auto res = plain.Get("/metrics");
+  EXPECT_TRUE(res == nullptr || res->status != 200) << "plaintext scrape";
+  EXPECT_EQ(HttpsMetrics(d.metrics_port(), pki.dir + "/ca.pem"), -1) << "no client certificate";
+  WriteFile(pki.dir + "/expired.pem", expired.CertPem());
+  WriteFile(pki.dir + "/expired.key", expired.KeyPem());
+  EXPECT_EQ(HttpsMetrics(d.metrics_port(), pki.dir + "/ca.pem", pki.dir + "/expired.pem",
+                         pki.dir + "/expired.key"),
+            -1)
+      << "expired client certificate";
+  EXPECT_EQ(HttpsMetrics(d.metrics_port(), pki.dir + "/ca.pem", pki.dir + "/client.pem",
+                         pki.dir + "/client.key"),
+            200);
 }
 
 TEST(TlsTest, ServerTlsWithoutClientCaServesClientsWithoutCertificates) {
@@ -164,6 +197,12 @@ TEST(TlsTest, RotatedCertificateServesNewConnectionsWhileAnOpenStreamSurvives) {
   })) << "new connections never got the new certificate";
   EXPECT_FALSE(List(MakeChannel(d.grpc_port(), Tls(pki.ca, &pki.client))).ok())
       << "a new connection still got the old certificate";
+  WriteFile(pki.dir + "/new-ca.pem", new_ca.CertPem());
+  EXPECT_TRUE(Eventually([&] {
+    return HttpsMetrics(d.metrics_port(), pki.dir + "/new-ca.pem", pki.dir + "/client.pem",
+                        pki.dir + "/client.key") == 200;
+  })) << "/metrics never served the new certificate";
+  EXPECT_TRUE(d.Alive()) << "refused handshakes cost connections, not the daemon";
 
   v1::WriteTokensRequest second;
   *second.add_locations() = Location(pages[0], 1);
