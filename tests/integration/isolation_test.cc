@@ -205,7 +205,9 @@ TEST(StaleWriteTest, WriteNamingAPageAtTwoGenerationsFailsWholeAndChangesNothing
   v1::WriteTokensRequest msg2;
   *msg2.add_locations() = Location(second[0], 1);
   msg2.set_rows(reinterpret_cast<const char*>(rows.data() + 512), 1024);
-  ASSERT_TRUE(writer->Write(msg2));
+  // May report false: the daemon can refuse the write (and end the call) before the client
+  // learns that this message went out.
+  writer->Write(msg2);
   writer->WritesDone();
   const grpc::Status s = writer->Finish();
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();

@@ -167,6 +167,17 @@ TEST(TlsTest, ServerTlsWithoutClientCaServesClientsWithoutCertificates) {
   EXPECT_FALSE(List(MakeChannel(d.grpc_port(), grpc::InsecureChannelCredentials())).ok());
 }
 
+// The first message of a WriteTokens stream into layer 0 of `pool`: one bf16 row at `loc`.
+v1::WriteTokensRequest FirstRow(const std::string& pool, const v1::TokenLocation& loc,
+                                const uint16_t* row) {
+  v1::WriteTokensRequest msg;
+  msg.set_pool(pool);
+  msg.set_layer(0);
+  *msg.add_locations() = loc;
+  msg.set_rows(reinterpret_cast<const char*>(row), kBf16RowBytes);
+  return msg;
+}
+
 TEST(TlsTest, RotatedCertificateServesNewConnectionsWhileAnOpenStreamSurvives) {
   Pki pki;
   Daemon d(pki.Flags(/*mutual=*/true));
@@ -179,12 +190,7 @@ TEST(TlsTest, RotatedCertificateServesNewConnectionsWhileAnOpenStreamSurvives) {
   grpc::ClientContext ctx;
   v1::WriteResponse resp;
   auto writer = d.stub().WriteTokens(&ctx, &resp);
-  v1::WriteTokensRequest first;
-  first.set_pool("rot");
-  first.set_layer(0);
-  *first.add_locations() = Location(pages[0], 0);
-  first.set_rows(reinterpret_cast<const char*>(rows.data()), kBf16RowBytes);
-  ASSERT_TRUE(writer->Write(first));
+  ASSERT_TRUE(writer->Write(FirstRow("rot", Location(pages[0], 0), rows.data())));
 
   // Rotate to a server certificate of a new CA (the client CA file stays).
   const KeyAndCert new_ca = MakeCert({"rotated CA", true});
@@ -333,6 +339,19 @@ TEST(TokenTest, ABadTokenFileStopsTheStart) {
   std::system(("rm -rf '" + dir + "'").c_str());
 }
 
+// One unary rpc through the daemon's stub; the reason trailer in `reason`.
+template <typename Request, typename Response>
+grpc::Status Unary(Daemon& d,
+                   grpc::Status (v1::KvFerry::Stub::*rpc)(grpc::ClientContext*, const Request&,
+                                                          Response*),
+                   const Request& request, std::string* reason) {
+  grpc::ClientContext ctx;
+  Response response;
+  const grpc::Status s = (d.stub().*rpc)(&ctx, request, &response);
+  *reason = ReasonOf(ctx);
+  return s;
+}
+
 // Every rpc of tenant B on tenant A's pool "p" must be NOT_FOUND (POOL_NOT_FOUND), exactly
 // as for a pool nobody has.
 void ExpectInvisible(Daemon& d, const std::string& pool, const std::vector<v1::PageHandle>& pages) {
@@ -340,34 +359,19 @@ void ExpectInvisible(Daemon& d, const std::string& pool, const std::vector<v1::P
     EXPECT_EQ(s.error_code(), grpc::StatusCode::NOT_FOUND) << rpc << ": " << s.error_message();
     EXPECT_EQ(reason, "POOL_NOT_FOUND") << rpc;
   };
+  std::string reason;
+  v1::DescribePoolRequest describe;
+  describe.set_name(pool);
+  expect("DescribePool", Unary(d, &v1::KvFerry::Stub::DescribePool, describe, &reason), reason);
+  v1::AllocatePagesRequest allocate;
+  allocate.set_pool(pool);
+  allocate.set_count(1);
+  expect("AllocatePages", Unary(d, &v1::KvFerry::Stub::AllocatePages, allocate, &reason), reason);
+  v1::FreePagesRequest free;
+  free.set_pool(pool);
+  for (const auto& p : pages) *free.add_pages() = p;
+  expect("FreePages", Unary(d, &v1::KvFerry::Stub::FreePages, free, &reason), reason);
   {
-    grpc::ClientContext ctx;
-    v1::DescribePoolRequest req;
-    req.set_name(pool);
-    v1::Pool out;
-    const grpc::Status s = d.stub().DescribePool(&ctx, req, &out);
-    expect("DescribePool", s, ReasonOf(ctx));
-  }
-  {
-    grpc::ClientContext ctx;
-    v1::AllocatePagesRequest req;
-    req.set_pool(pool);
-    req.set_count(1);
-    v1::AllocatePagesResponse out;
-    const grpc::Status s = d.stub().AllocatePages(&ctx, req, &out);
-    expect("AllocatePages", s, ReasonOf(ctx));
-  }
-  {
-    grpc::ClientContext ctx;
-    v1::FreePagesRequest req;
-    req.set_pool(pool);
-    for (const auto& p : pages) *req.add_pages() = p;
-    v1::FreePagesResponse out;
-    const grpc::Status s = d.stub().FreePages(&ctx, req, &out);
-    expect("FreePages", s, ReasonOf(ctx));
-  }
-  {
-    std::string reason;
     const std::vector<uint16_t> rows = RandomRows(1, 3);
     expect("WriteTokens",
            testing::WriteTokens(d, pool, 0, {Location(pages[0], 0)}, rows, 256, nullptr, &reason),
@@ -388,7 +392,7 @@ void ExpectInvisible(Daemon& d, const std::string& pool, const std::vector<v1::P
     expect("WritePages", s, ReasonOf(ctx));
   }
   {
-    std::string bytes, reason;
+    std::string bytes;
     expect("ReadPages",
            testing::ReadPages(d, pool, pages, &bytes, v1::LAYOUT_UNSPECIFIED, {}, &reason), reason);
     EXPECT_TRUE(bytes.empty());
@@ -404,14 +408,9 @@ void ExpectInvisible(Daemon& d, const std::string& pool, const std::vector<v1::P
     const grpc::Status s = reader->Finish();
     expect("ReadWorkspace", s, ReasonOf(ctx));
   }
-  {
-    grpc::ClientContext ctx;
-    v1::DeletePoolRequest req;
-    req.set_name(pool);
-    v1::DeletePoolResponse out;
-    const grpc::Status s = d.stub().DeletePool(&ctx, req, &out);
-    expect("DeletePool", s, ReasonOf(ctx));
-  }
+  v1::DeletePoolRequest remove;
+  remove.set_name(pool);
+  expect("DeletePool", Unary(d, &v1::KvFerry::Stub::DeletePool, remove, &reason), reason);
 }
 
 TEST(TenantTest, ATenantNeitherSeesNorTouchesAnotherTenantsPools) {
@@ -618,12 +617,7 @@ TEST(QuotaTest, StreamsAndStagedWriteBytesRunOutAndComeBack) {
   grpc::ClientContext open_ctx;
   v1::WriteResponse open_resp;
   auto open = d.stub().WriteTokens(&open_ctx, &open_resp);
-  v1::WriteTokensRequest first;
-  first.set_pool("p");
-  first.set_layer(0);
-  *first.add_locations() = locs[0];
-  first.set_rows(reinterpret_cast<const char*>(rows.data()), kBf16RowBytes);
-  ASSERT_TRUE(open->Write(first));
+  ASSERT_TRUE(open->Write(FirstRow("p", locs[0], rows.data())));
   std::string bytes;
   grpc::Status refused;
   EXPECT_TRUE(Eventually([&] {
