@@ -81,7 +81,8 @@ inline std::shared_ptr<grpc::Channel> MakeChannel(int port,
 
 class Daemon {
  public:
-  explicit Daemon(std::vector<std::string> extra_flags = {}) {
+  // `capture_log`: the daemon's stderr goes to a file that Log() reads, not to the test's.
+  explicit Daemon(std::vector<std::string> extra_flags = {}, bool capture_log = false) {
     char dir[] = "/tmp/kvferryd-test-XXXXXX";
     if (mkdtemp(dir) == nullptr) throw std::runtime_error("mkdtemp");
     dir_ = dir;
@@ -92,6 +93,7 @@ class Daemon {
     args.insert(args.end(), extra_flags.begin(), extra_flags.end());
     pid_ = fork();
     if (pid_ == 0) {
+      if (capture_log) freopen((dir_ + "/log").c_str(), "w", stderr);
       std::vector<char*> argv;
       for (auto& a : args) argv.push_back(a.data());
       argv.push_back(nullptr);
@@ -156,6 +158,11 @@ class Daemon {
   std::shared_ptr<grpc::Channel> channel() { return channel_; }
   int metrics_port() const { return metrics_port_; }
   const std::string& dir() const { return dir_; }
+  // What the daemon logged so far (with capture_log).
+  std::string Log() const {
+    std::ifstream in(dir_ + "/log");
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
 
  private:
   std::string dir_;

@@ -263,11 +263,12 @@ struct TokenDaemon {
   std::string file = dir + "/tokens";
   std::unique_ptr<Daemon> d;
 
-  explicit TokenDaemon(const std::vector<std::string>& lines, std::vector<std::string> flags = {}) {
+  explicit TokenDaemon(const std::vector<std::string>& lines, std::vector<std::string> flags = {},
+                       bool capture_log = false) {
     Write(lines);
     flags.push_back("--auth_tokens=" + file);
     flags.push_back("--security_reload_seconds=1");
-    d = std::make_unique<Daemon>(flags);
+    d = std::make_unique<Daemon>(flags, capture_log);
   }
   ~TokenDaemon() { std::system(("rm -rf '" + dir + "'").c_str()); }
   // `lines` are "<tenant> <token> [quotas]": the token is replaced by its hash.
@@ -662,6 +663,32 @@ TEST(EchoTest, ClientStringsComeBackBoundedAndEscaped) {
     EXPECT_FALSE(s.ok());
     EXPECT_LT(s.error_message().size(), 300u);
     EXPECT_EQ(s.error_message().find('\n'), std::string::npos) << s.error_message();
+  }
+}
+
+TEST(EchoTest, LogsCarryNoTokenAndNoForgedLine) {
+  TokenDaemon t({"alice tok-alice-secret"}, {"--log_level=debug"}, /*capture_log=*/true);
+  Daemon& d = *t.d;
+  d.Connect(grpc::InsecureChannelCredentials(), "tok-wrong-secret");
+  EXPECT_EQ(List(d.channel()).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  d.Connect(grpc::InsecureChannelCredentials(), "tok-alice-secret");
+  testing::CreatePool(d, "logged", Layout::kV4, 16, 1);
+  grpc::ClientContext ctx;
+  v1::DescribePoolRequest req;
+  req.set_name("x\n2026-01-01T00:00:00.000 info forged line");
+  v1::Pool out;
+  EXPECT_EQ(d.stub().DescribePool(&ctx, req, &out).error_code(), grpc::StatusCode::NOT_FOUND);
+  ASSERT_EQ(d.Terminate(), 0);  // flushes the log
+
+  const std::string log = d.Log();
+  EXPECT_NE(log.find("name=\"logged\""), std::string::npos) << log;
+  EXPECT_NE(log.find("NOT_AUTHENTICATED"), std::string::npos) << "the refusal is logged";
+  EXPECT_EQ(log.find("secret"), std::string::npos) << "a token reached the log";
+  EXPECT_EQ(log.find(Sha256("tok-alice-secret")), std::string::npos);
+  EXPECT_NE(log.find("x0a2026-01-01"), std::string::npos) << "the name, escaped";
+  std::istringstream lines(log);
+  for (std::string line; std::getline(lines, line);) {
+    EXPECT_NE(line.rfind("2026-01-01T00:00:00.000", 0), 0u) << "a forged line: " << line;
   }
 }
 
