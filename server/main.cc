@@ -23,7 +23,8 @@ ABSL_FLAG(int64_t, max_write_tokens, 1 << 20, "Most tokens one WriteTokens call 
 ABSL_FLAG(int64_t, max_write_bytes, int64_t{1} << 30, "Most page bytes one WritePages call may stage");
 ABSL_FLAG(double, shutdown_grace_seconds, 10, "How long in-flight RPCs may finish on shutdown");
 ABSL_FLAG(std::string, log_level, "info", "trace, debug, info, warn, error or off");
-ABSL_FLAG(std::string, tls_cert, "", "Server certificate chain (PEM): serve gRPC over TLS");
+ABSL_FLAG(std::string, tls_cert, "",
+          "Server certificate chain (PEM): serve gRPC over TLS and /metrics over HTTPS");
 ABSL_FLAG(std::string, tls_key, "", "Private key of --tls_cert (PEM)");
 ABSL_FLAG(std::string, tls_client_ca, "",
           "Mutual TLS: refuse clients without a certificate signed by this CA (PEM)");
