@@ -8,8 +8,11 @@
 
 #include "absl/status/statusor.h"
 #include "core/pool_manager.h"
+#include "core/tenant.h"
 #include "metrics/metrics.h"
 #include "core/session.h"
+#include "security/authenticator.h"
+#include "security/tls.h"
 #include "service/pool_service.h"
 #include "service/session_service.h"
 
@@ -22,6 +25,13 @@ struct DaemonOptions {
   int64_t max_message_bytes = 4 << 20;             // largest gRPC message accepted or sent
   int cpu_threads = 0;                             // cpu backend workers; 0: the usable cores
   ServiceOptions service;
+  // gRPC and /metrics transport: TLS or mutual TLS from the same files (/metrics as HTTPS);
+  // without TLS, plaintext only on loopback unless tls.allow_insecure_remote.
+  TlsOptions tls;
+  // Bearer tokens and tenants (security/token_file.h); empty: no tokens, every caller is
+  // the one default tenant. Re-read every tls.reload_seconds when it changed, and on
+  // ReloadTokens().
+  std::string auth_tokens_file;
 };
 
 class Daemon {
@@ -33,6 +43,12 @@ class Daemon {
   int grpc_port() const { return grpc_port_; }
   int metrics_port() const { return metrics_ ? metrics_->port() : 0; }
   const std::string& default_device() const { return default_device_; }
+  // A one-line description of the security in force, for the start-up log.
+  const std::string& security_summary() const { return security_summary_; }
+
+  // Re-reads the token file now (SIGHUP); on an error the tokens in force stay. OK when
+  // there is no token file.
+  absl::Status ReloadTokens();
 
   // Stops accepting, lets in-flight RPCs finish (cancelling those still running after
   // `grace_seconds`), stops /metrics and frees every pool.
@@ -41,7 +57,11 @@ class Daemon {
  private:
   Daemon() = default;
   std::string default_device_;
+  std::string security_summary_;
   std::unique_ptr<DaemonMetrics> daemon_metrics_;
+  TenantRegistry tenants_;
+  std::unique_ptr<Authenticator> auth_;
+  TokenAuthenticator* tokens_ = nullptr;  // auth_, when it is the token file's
   std::unique_ptr<PoolManager> pools_;
   std::unique_ptr<SessionManager> sessions_;
   std::unique_ptr<KvFerryService> service_;

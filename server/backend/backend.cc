@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "backend/cpu_backend.h"
 #include "common/errors.h"
+#include "common/log.h"
 #include "kvferry/kernels/status_macros.h"
 
 #if defined(KVFERRY_HAVE_CUDA)
@@ -73,18 +74,18 @@ absl::StatusOr<std::shared_ptr<Backend>> MakeBackend(const std::string& device,
     int index;
     if (!absl::SimpleAtoi(device.substr(5), &index) || index < 0) {
       return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kUnknownDevice,
-                   absl::StrCat("device '", device.substr(0, 64), "': bad GPU index"));
+                   absl::StrCat("device ", log::Quoted(device), ": bad GPU index"));
     }
 #if defined(KVFERRY_HAVE_CUDA)
     return MakeCudaBackend(index);
 #else
     return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kUnknownDevice,
-                 absl::StrCat("device '", device, "': this kvferryd was built without CUDA"));
+                 absl::StrCat("device ", log::Quoted(device), ": this kvferryd was built without CUDA"));
 #endif
   }
   return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kUnknownDevice,
-               absl::StrCat("unknown device '", device.substr(0, 64),
-                            "': expected \"cpu\" or \"cuda:N\""));
+               absl::StrCat("unknown device ", log::Quoted(device),
+                            ": expected \"cpu\" or \"cuda:N\""));
 }
 
 std::string DefaultDevice() {

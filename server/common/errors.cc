@@ -22,6 +22,7 @@ constexpr const char* kNames[kNumErrorReasons] = {
     "CLIENT_CANCELLED", "DEADLINE_EXCEEDED", "INTERNAL_ERROR", "SHUTTING_DOWN",
     "SESSION_NOT_FOUND", "TENSOR_NOT_FOUND", "BLOCK_OUT_OF_RANGE", "TENSOR_OUT_OF_BOUNDS",
     "KIND_MISMATCH", "DEVICE_MISMATCH", "EXPORT_NOT_FOUND",
+    "QUOTA_EXCEEDED", "NOT_AUTHENTICATED",
 };
 
 }  // namespace
@@ -65,6 +66,8 @@ ErrorReason ReasonOf(const absl::Status& status) {
       return ErrorReason::kShuttingDown;
     case absl::StatusCode::kNotFound:
       return ErrorReason::kPoolNotFound;
+    case absl::StatusCode::kUnauthenticated:
+      return ErrorReason::kNotAuthenticated;
     default:
       return ErrorReason::kInternalError;
   }

@@ -53,8 +53,10 @@ enum class ErrorReason {
   kKindMismatch,
   kDeviceMismatch,
   kExportNotFound,
+  kQuotaExceeded,
+  kNotAuthenticated,
 };
-inline constexpr int kNumErrorReasons = static_cast<int>(ErrorReason::kExportNotFound) + 1;
+inline constexpr int kNumErrorReasons = static_cast<int>(ErrorReason::kNotAuthenticated) + 1;
 
 // The proto name of a reason ("STALE_PAGE_HANDLE").
 const char* ReasonName(ErrorReason reason);

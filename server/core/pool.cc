@@ -45,7 +45,8 @@ absl::Status Pool::ValidateConfig(const PoolConfig& config) {
 
 absl::StatusOr<std::shared_ptr<Pool>> Pool::Create(const PoolConfig& config,
                                                    std::shared_ptr<Backend> backend,
-                                                   uint64_t incarnation, OpObserver* observer) {
+                                                   uint64_t incarnation, OpObserver* observer,
+                                                   std::shared_ptr<TenantAccount> owner) {
   KVF_RETURN_IF_ERROR(ValidateConfig(config));
   const PoolGeometry g{config.layout, config.page_size, config.num_pages};
   // Refuse sizes whose byte count would overflow before asking the device.
@@ -60,24 +61,49 @@ absl::StatusOr<std::shared_ptr<Pool>> Pool::Create(const PoolConfig& config,
     return Error(absl::StatusCode::kResourceExhausted, ErrorReason::kDeviceOutOfMemory,
                  absl::StrCat("a pool of ", tokens, " token slots is too large"));
   }
-  KVF_ASSIGN_OR_RETURN(Buffer memory,
-                       backend->Allocate(static_cast<size_t>(g.pool_bytes() * config.num_layers),
-                                         MemoryKind::kDevice, /*zero=*/true));
-  return std::shared_ptr<Pool>(
-      new Pool(config, std::move(backend), incarnation, observer, std::move(memory)));
+  const int64_t bytes = g.pool_bytes() * config.num_layers;
+  // The quota is charged before the device is asked, so a tenant over it allocates nothing;
+  // from here on the charges are the pool's (refunded by ~Pool) or refunded on failure.
+  if (owner != nullptr) {
+    KVF_RETURN_IF_ERROR(owner->Charge(Resource::kPools, 1));
+    if (absl::Status s = owner->Charge(Resource::kDeviceBytes, bytes); !s.ok()) {
+      owner->Refund(Resource::kPools, 1);
+      return s;
+    }
+  }
+  absl::StatusOr<Buffer> memory =
+      backend->Allocate(static_cast<size_t>(bytes), MemoryKind::kDevice, /*zero=*/true);
+  if (!memory.ok()) {
+    if (owner != nullptr) {
+      owner->Refund(Resource::kPools, 1);
+      owner->Refund(Resource::kDeviceBytes, bytes);
+    }
+    return memory.status();
+  }
+  return std::shared_ptr<Pool>(new Pool(config, std::move(backend), incarnation, observer,
+                                        std::move(*memory), std::move(owner)));
 }
 
 Pool::Pool(const PoolConfig& config, std::shared_ptr<Backend> backend, uint64_t incarnation,
-           OpObserver* observer, Buffer memory)
+           OpObserver* observer, Buffer memory, std::shared_ptr<TenantAccount> owner)
     : config_(config),
       backend_(std::move(backend)),
       observer_(observer),
+      owner_(std::move(owner)),
       memory_(std::move(memory)),
       table_(config.name, config.num_pages, config.page_size, config.num_layers, incarnation) {}
+
+Pool::~Pool() {
+  if (owner_ == nullptr) return;
+  owner_->Refund(Resource::kPages, charged_pages_.load());
+  owner_->Refund(Resource::kDeviceBytes, Stats().pool_bytes);
+  owner_->Refund(Resource::kPools, 1);
+}
 
 PoolStats Pool::Stats() const {
   PoolStats s;
   s.name = config_.name;
+  s.tenant = owner_ != nullptr ? owner_->name() : std::string();
   s.device = backend_->device();
   s.pool_id = id();
   s.layout = config_.layout;
@@ -112,11 +138,25 @@ absl::StatusOr<std::vector<PageHandle>> Pool::AllocatePages(int64_t count) {
   if (std::vector<int64_t> retry = table_.TakeUnzeroed(); !retry.empty()) {
     ZeroAndReclaim(std::move(retry)).IgnoreError();
   }
-  return table_.Allocate(count);
+  if (owner_ != nullptr && count > 0) KVF_RETURN_IF_ERROR(owner_->Charge(Resource::kPages, count));
+  absl::StatusOr<std::vector<PageHandle>> pages = table_.Allocate(count);
+  if (owner_ != nullptr && count > 0) {
+    if (pages.ok()) {
+      charged_pages_ += count;
+    } else {
+      owner_->Refund(Resource::kPages, count);
+    }
+  }
+  return pages;
 }
 
 absl::Status Pool::FreePages(std::span<const PageHandle> pages) {
   KVF_ASSIGN_OR_RETURN(std::vector<int64_t> to_zero, table_.Free(pages));
+  // Freed from here on, whatever the zeroing does: the page table holds back unzeroed pages.
+  if (owner_ != nullptr) {
+    charged_pages_ -= static_cast<int64_t>(pages.size());
+    owner_->Refund(Resource::kPages, static_cast<int64_t>(pages.size()));
+  }
   return ZeroAndReclaim(std::move(to_zero));
 }
 

@@ -7,6 +7,7 @@
 // (common/errors.h) and a message for the user.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -17,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "backend/backend.h"
 #include "core/page_table.h"
+#include "core/tenant.h"
 #include "core/types.h"
 #include "kvferry/kernels/format.h"
 
@@ -27,13 +29,20 @@ class Pool : public std::enable_shared_from_this<Pool> {
   // The rules every pool obeys (name, geometry, layers); INVALID_ARGUMENT with a reason.
   static absl::Status ValidateConfig(const PoolConfig& config);
 
-  // Allocates the pool, zero-filled. RESOURCE_EXHAUSTED when the device lacks the memory.
+  // Allocates the pool, zero-filled. RESOURCE_EXHAUSTED when the device lacks the memory,
+  // or (QUOTA_EXCEEDED) when `owner` may not hold one more pool or its bytes; nothing is
+  // allocated then. The owner is charged the pool, its bytes and every allocated page
+  // until the pool is destroyed (its memory freed); null: charged to nobody.
   static absl::StatusOr<std::shared_ptr<Pool>> Create(const PoolConfig& config,
                                                       std::shared_ptr<Backend> backend,
-                                                      uint64_t incarnation, OpObserver* observer);
+                                                      uint64_t incarnation, OpObserver* observer,
+                                                      std::shared_ptr<TenantAccount> owner = nullptr);
+  ~Pool();
 
   const PoolConfig& config() const { return config_; }
   const std::string& device() const { return backend_->device(); }
+  // The tenant the pool belongs to (null: none); its account is charged for the pool.
+  const std::shared_ptr<TenantAccount>& owner() const { return owner_; }
   uint64_t id() const { return table_.incarnation(); }
   // The geometry of one layer.
   PoolGeometry geometry() const {
@@ -41,7 +50,8 @@ class Pool : public std::enable_shared_from_this<Pool> {
   }
   PoolStats Stats() const;
 
-  // All or nothing: POOL_FULL when fewer than `count` pages are free.
+  // All or nothing: POOL_FULL when fewer than `count` pages are free, QUOTA_EXCEEDED when
+  // the owner may not hold `count` more pages.
   absl::StatusOr<std::vector<PageHandle>> AllocatePages(int64_t count);
   // Checks every handle first (any stale or repeated: none is freed). Each page reads as
   // zeros in every layer before it is handed out again: zeroed on the device now, or, if a
@@ -74,7 +84,7 @@ class Pool : public std::enable_shared_from_this<Pool> {
 
  private:
   Pool(const PoolConfig& config, std::shared_ptr<Backend> backend, uint64_t incarnation,
-       OpObserver* observer, Buffer memory);
+       OpObserver* observer, Buffer memory, std::shared_ptr<TenantAccount> owner);
   // Zeroes the pages on the device and returns them to the free list. On a device error
   // the pages stay out of the free list (never handed out unzeroed) until a later
   // AllocatePages zeroes them.
@@ -83,6 +93,8 @@ class Pool : public std::enable_shared_from_this<Pool> {
   const PoolConfig config_;
   const std::shared_ptr<Backend> backend_;
   OpObserver* const observer_;
+  const std::shared_ptr<TenantAccount> owner_;
+  std::atomic<int64_t> charged_pages_{0};  // pages charged to owner_, refunded when freed
   Buffer memory_;  // [num_layers][num_pages][page_bytes]
   PageTable table_;
 };

@@ -1,4 +1,4 @@
-// PoolManager: named pools on their backends, incarnations, totals.
+// PoolManager: pools by tenant and name on their backends, incarnations, totals.
 #include "core/pool_manager.h"
 
 #include <algorithm>
@@ -6,9 +6,19 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/errors.h"
+#include "common/log.h"
 #include "kvferry/kernels/status_macros.h"
 
 namespace kvferry::server {
+namespace {
+
+// The name is the client's: escaped and bounded (log::Quoted) before it is echoed.
+absl::Status NotFound(const std::string& name) {
+  return Error(absl::StatusCode::kNotFound, ErrorReason::kPoolNotFound,
+               absl::StrCat("no pool named ", log::Quoted(name)));
+}
+
+}  // namespace
 
 PoolManager::PoolManager(PoolManagerOptions options) : options_(std::move(options)) {
   // Incarnations start at a random point per daemon lifetime, so that a handle kept across
@@ -31,13 +41,14 @@ absl::StatusOr<std::shared_ptr<Backend>> PoolManager::BackendFor(const std::stri
   return backends_.try_emplace(device, std::move(backend)).first->second;
 }
 
-absl::StatusOr<std::shared_ptr<Pool>> PoolManager::Create(PoolConfig config,
-                                                          const std::string& device) {
+absl::StatusOr<std::shared_ptr<Pool>> PoolManager::Create(
+    const std::shared_ptr<TenantAccount>& owner, PoolConfig config, const std::string& device) {
   KVF_RETURN_IF_ERROR(Pool::ValidateConfig(config));
+  const Key key{owner->name(), config.name};
   uint64_t incarnation;
   {
     absl::MutexLock lock(&mu_);
-    if (!pools_.try_emplace(config.name, nullptr).second) {
+    if (!pools_.try_emplace(key, nullptr).second) {
       return Error(absl::StatusCode::kAlreadyExists, ErrorReason::kPoolExists,
                    absl::StrCat("pool '", config.name, "' already exists"));
     }
@@ -48,38 +59,31 @@ absl::StatusOr<std::shared_ptr<Pool>> PoolManager::Create(PoolConfig config,
   absl::StatusOr<std::shared_ptr<Pool>> pool = [&]() -> absl::StatusOr<std::shared_ptr<Pool>> {
     KVF_ASSIGN_OR_RETURN(std::shared_ptr<Backend> backend,
                          BackendFor(device.empty() ? options_.default_device : device));
-    return Pool::Create(config, std::move(backend), incarnation, options_.observer);
+    return Pool::Create(config, std::move(backend), incarnation, options_.observer, owner);
   }();
   absl::MutexLock lock(&mu_);
   if (!pool.ok()) {
-    pools_.erase(config.name);
+    pools_.erase(key);
     return pool.status();
   }
-  pools_[config.name] = *pool;
+  pools_[key] = *pool;
   return pool;
 }
 
-absl::StatusOr<std::shared_ptr<Pool>> PoolManager::Get(const std::string& name) const {
+absl::StatusOr<std::shared_ptr<Pool>> PoolManager::Get(const TenantAccount& owner,
+                                                       const std::string& name) const {
   absl::ReaderMutexLock lock(&mu_);
-  auto it = pools_.find(name);
-  if (it == pools_.end() || it->second == nullptr) {
-    return Error(absl::StatusCode::kNotFound, ErrorReason::kPoolNotFound,
-                 name.size() <= 128 ? absl::StrCat("no pool named '", name, "'")
-                                    : std::string("no pool of that name"));
-  }
+  auto it = pools_.find(Key{owner.name(), name});
+  if (it == pools_.end() || it->second == nullptr) return NotFound(name);
   return it->second;
 }
 
-absl::Status PoolManager::Delete(const std::string& name) {
+absl::Status PoolManager::Delete(const TenantAccount& owner, const std::string& name) {
   std::shared_ptr<Pool> dropped;  // freed outside the lock, when its last user finishes
   {
     absl::MutexLock lock(&mu_);
-    auto it = pools_.find(name);
-    if (it == pools_.end() || it->second == nullptr) {
-      return Error(absl::StatusCode::kNotFound, ErrorReason::kPoolNotFound,
-                   name.size() <= 128 ? absl::StrCat("no pool named '", name, "'")
-                                      : std::string("no pool of that name"));
-    }
+    auto it = pools_.find(Key{owner.name(), name});
+    if (it == pools_.end() || it->second == nullptr) return NotFound(name);
     dropped = std::move(it->second);
     pools_.erase(it);
   }
@@ -92,18 +96,31 @@ std::vector<std::shared_ptr<Pool>> PoolManager::List() const {
   std::vector<std::shared_ptr<Pool>> pools;
   {
     absl::ReaderMutexLock lock(&mu_);
-    for (const auto& [name, pool] : pools_) {
+    for (const auto& [key, pool] : pools_) {
       if (pool != nullptr) pools.push_back(pool);
     }
   }
+  auto key = [](const std::shared_ptr<Pool>& p) {
+    return Key{p->owner() != nullptr ? p->owner()->name() : std::string(), p->config().name};
+  };
   std::sort(pools.begin(), pools.end(),
-            [](const auto& a, const auto& b) { return a->config().name < b->config().name; });
+            [&](const auto& a, const auto& b) { return key(a) < key(b); });
   return pools;
 }
 
-DaemonStats PoolManager::Stats() const {
+DaemonStats PoolManager::Stats() const { return StatsOf(List()); }
+
+DaemonStats PoolManager::Stats(const TenantAccount& owner) const {
+  std::vector<std::shared_ptr<Pool>> own = List();
+  std::erase_if(own, [&](const std::shared_ptr<Pool>& p) {
+    return p->owner() == nullptr || p->owner()->name() != owner.name();
+  });
+  return StatsOf(own);
+}
+
+DaemonStats PoolManager::StatsOf(const std::vector<std::shared_ptr<Pool>>& pools) const {
   DaemonStats out;
-  for (const auto& pool : List()) {
+  for (const auto& pool : pools) {
     PoolStats s = pool->Stats();
     out.tokens_held += s.tokens_held;
     out.records_held += s.records_held;
@@ -116,12 +133,12 @@ DaemonStats PoolManager::Stats() const {
 }
 
 void PoolManager::Clear() {
-  absl::flat_hash_map<std::string, std::shared_ptr<Pool>> dropped;
+  absl::flat_hash_map<Key, std::shared_ptr<Pool>> dropped;
   {
     absl::MutexLock lock(&mu_);
     dropped.swap(pools_);
   }
-  for (auto& [name, pool] : dropped) {
+  for (auto& [key, pool] : dropped) {
     if (pool != nullptr) pool->MarkDeleted();
   }
 }

@@ -1,4 +1,4 @@
-// The daemon's pools by name, the backends they live on, and daemon-wide stats.
+// The daemon's pools by tenant and name, the backends they live on, and daemon-wide stats.
 #pragma once
 
 #include <functional>
@@ -11,6 +11,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "core/pool.h"
+#include "core/tenant.h"
 
 namespace kvferry::server {
 
@@ -29,20 +30,30 @@ struct PoolManagerOptions {
 // requests need: the name is reserved first, the pool built outside the lock. A deleted
 // pool's memory is freed when the last request using it finishes; requests still running
 // on it fail with ABORTED (POOL_DELETED) instead of storing into it.
+//
+// Pools are namespaced by tenant: a pool is named by (owner, name), so two tenants may each
+// have a pool "p", and a tenant asking for another's pool gets NOT_FOUND exactly as for a
+// name nobody uses (the other pool's existence is not revealed).
 class PoolManager {
  public:
   explicit PoolManager(PoolManagerOptions options);
 
-  // INVALID_ARGUMENT (name, shape, device), ALREADY_EXISTS, RESOURCE_EXHAUSTED (memory).
-  absl::StatusOr<std::shared_ptr<Pool>> Create(PoolConfig config, const std::string& device)
+  // INVALID_ARGUMENT (name, shape, device), ALREADY_EXISTS (the owner has a pool of that
+  // name), RESOURCE_EXHAUSTED (memory, or the owner's quota: QUOTA_EXCEEDED).
+  absl::StatusOr<std::shared_ptr<Pool>> Create(const std::shared_ptr<TenantAccount>& owner,
+                                               PoolConfig config, const std::string& device)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // NOT_FOUND when there is no such pool.
-  absl::StatusOr<std::shared_ptr<Pool>> Get(const std::string& name) const ABSL_LOCKS_EXCLUDED(mu_);
-  absl::Status Delete(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
-  // Every pool, by name.
+  // NOT_FOUND when the owner has no such pool.
+  absl::StatusOr<std::shared_ptr<Pool>> Get(const TenantAccount& owner,
+                                            const std::string& name) const ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Delete(const TenantAccount& owner, const std::string& name)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Every pool of every tenant, by tenant and name.
   std::vector<std::shared_ptr<Pool>> List() const ABSL_LOCKS_EXCLUDED(mu_);
-  // Every pool's stats and the totals.
+  // Every pool's stats and the totals (the metrics endpoint).
   DaemonStats Stats() const ABSL_LOCKS_EXCLUDED(mu_);
+  // The owner's pools' stats and their totals.
+  DaemonStats Stats(const TenantAccount& owner) const ABSL_LOCKS_EXCLUDED(mu_);
   // Drops every pool (shutdown).
   void Clear() ABSL_LOCKS_EXCLUDED(mu_);
   // Called with each pool Delete removes (e.g. to revoke its exports). Set before serving.
@@ -53,11 +64,15 @@ class PoolManager {
       ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
+  // (tenant name, pool name)
+  using Key = std::pair<std::string, std::string>;
+  DaemonStats StatsOf(const std::vector<std::shared_ptr<Pool>>& pools) const;
+
   std::function<void(const Pool&)> on_delete_;
   const PoolManagerOptions options_;
   mutable absl::Mutex mu_;
-  // A name maps to null while its pool is being created.
-  absl::flat_hash_map<std::string, std::shared_ptr<Pool>> pools_ ABSL_GUARDED_BY(mu_);
+  // A key maps to null while its pool is being created.
+  absl::flat_hash_map<Key, std::shared_ptr<Pool>> pools_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::shared_ptr<Backend>> backends_ ABSL_GUARDED_BY(mu_);
   uint64_t next_incarnation_ ABSL_GUARDED_BY(mu_);
 };

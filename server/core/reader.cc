@@ -36,6 +36,7 @@ Reader::~Reader() {
 absl::Status Reader::Start(int64_t index) {
   Slot& slot = slots_[index % 2];
   slot.started = Now();
+  slot.op = op_name();
   KVF_RETURN_IF_ERROR(Launch(index, slot));
   slot.busy = true;
   return absl::OkStatus();
@@ -43,7 +44,7 @@ absl::Status Reader::Start(int64_t index) {
 
 absl::Status Reader::Finish(Slot& slot) {
   const absl::Status s = slot.done.Wait();
-  pool_->ObserveOp(op_name(), Now() - slot.started);
+  pool_->ObserveOp(slot.op, Now() - slot.started);
   if (slot.pin.has_value()) pool_->Unpin(*slot.pin);
   slot.pin.reset();
   slot.busy = false;

@@ -41,6 +41,9 @@ class Reader {
     int64_t bytes = 0;
     bool busy = false;
     double started = 0;  // seconds, steady clock, for the op timing
+    // op_name() of the batch, taken at launch: ~Reader finishes busy slots after the
+    // derived reader is gone, when op_name() can no longer be called.
+    const char* op = "";
   };
   Reader(std::shared_ptr<Pool> pool, int64_t num_batches, int64_t total_bytes)
       : pool_(std::move(pool)), num_batches_(num_batches), total_bytes_(total_bytes) {}

@@ -42,6 +42,7 @@ struct SessionManager::Tensor {
 
 struct SessionManager::Session {
   uint64_t id = 0;
+  std::shared_ptr<TenantAccount> owner;
   std::string worker;
   std::string device;  // "cuda:N"
   std::string shm_name;
@@ -109,7 +110,8 @@ void SessionManager::Complete(std::shared_ptr<Session> session, AsyncSlot slot,
   });
 }
 
-absl::StatusOr<SessionManager::Opened> SessionManager::Open(const std::string& worker,
+absl::StatusOr<SessionManager::Opened> SessionManager::Open(std::shared_ptr<TenantAccount> owner,
+                                                            const std::string& worker,
                                                             uint32_t device, uint32_t slots) {
   if (slots == 0) slots = 1024;
   if (slots > 65536) {
@@ -117,6 +119,7 @@ absl::StatusOr<SessionManager::Opened> SessionManager::Open(const std::string& w
                    absl::StrCat("completion_slots ", slots, " is above 65536"));
   }
   auto session = std::make_shared<Session>();
+  session->owner = std::move(owner);
   session->worker = worker.substr(0, 64);
   session->device = absl::StrCat("cuda:", device);
   {
@@ -177,7 +180,7 @@ void SessionManager::Close(uint64_t session_id) {
 }
 
 std::optional<std::string> SessionManager::NextRevocation(uint64_t session_id) {
-  absl::StatusOr<std::shared_ptr<Session>> found = Find(session_id);
+  absl::StatusOr<std::shared_ptr<Session>> found = Find(session_id, nullptr);
   if (!found.ok()) return std::nullopt;
   Session& s = **found;
   absl::MutexLock lock(&s.mu);
@@ -190,10 +193,12 @@ std::optional<std::string> SessionManager::NextRevocation(uint64_t session_id) {
   return r;
 }
 
-absl::StatusOr<std::shared_ptr<SessionManager::Session>> SessionManager::Find(uint64_t id) const {
+absl::StatusOr<std::shared_ptr<SessionManager::Session>> SessionManager::Find(
+    uint64_t id, const TenantAccount* caller) const {
   absl::ReaderMutexLock lock(&mu_);
   auto it = sessions_.find(id);
-  if (it == sessions_.end()) {
+  // Another tenant's session is as absent as one nobody opened.
+  if (it == sessions_.end() || (caller != nullptr && it->second->owner.get() != caller)) {
     return Error(absl::StatusCode::kNotFound, ErrorReason::kSessionNotFound,
                  absl::StrCat("no open session ", id));
   }
@@ -201,8 +206,8 @@ absl::StatusOr<std::shared_ptr<SessionManager::Session>> SessionManager::Find(ui
 }
 
 absl::StatusOr<std::vector<uint64_t>> SessionManager::Register(
-    uint64_t session_id, std::span<const KvTensorSpec> specs) {
-  KVF_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(session_id));
+    uint64_t session_id, const TenantAccount& caller, std::span<const KvTensorSpec> specs) {
+  KVF_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(session_id, &caller));
   // The device's backend, made on the first registration (a session without tensors works
   // on any daemon: its completion words and pages need no GPU).
   KVF_ASSIGN_OR_RETURN(std::shared_ptr<Backend> backend, pools_->BackendFor(session->device));
@@ -272,7 +277,7 @@ absl::StatusOr<int64_t> SessionManager::Load(const TransferRequest& request) {
 
 absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool save) {
   const auto start = std::chrono::steady_clock::now();
-  KVF_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(r.session_id));
+  KVF_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(r.session_id, r.caller));
   std::shared_ptr<Tensor> tensor;
   {
     absl::MutexLock lock(&session->mu);
@@ -289,7 +294,7 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
                    absl::StrCat("completion slot ", r.async->slot, " is outside [0, ",
                                 session->slots, ") or its sequence above 2^56"));
   }
-  KVF_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, pools_->Get(r.pool));
+  KVF_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, pools_->Get(*session->owner, r.pool));
   if (pool->device() != session->device) {
     return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kDeviceMismatch,
                  absl::StrCat("pool '", r.pool, "' lives on ", pool->device(), ", the session's tensors on ",
@@ -644,9 +649,10 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
   return tokens;
 }
 
-absl::StatusOr<PoolExport> SessionManager::MapPool(uint64_t session_id, const std::string& name) {
-  KVF_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(session_id));
-  KVF_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, pools_->Get(name));
+absl::StatusOr<PoolExport> SessionManager::MapPool(uint64_t session_id, const TenantAccount& caller,
+                                                   const std::string& name) {
+  KVF_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(session_id, &caller));
+  KVF_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, pools_->Get(*session->owner, name));
   if (pool->device() != session->device) {
     return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kDeviceMismatch,
                  absl::StrCat("pool '", name, "' lives on ", pool->device(), ", the session on ",
@@ -666,8 +672,9 @@ absl::StatusOr<PoolExport> SessionManager::MapPool(uint64_t session_id, const st
   return out;
 }
 
-absl::Status SessionManager::UnmapPool(uint64_t session_id, uint64_t export_id) {
-  KVF_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(session_id));
+absl::Status SessionManager::UnmapPool(uint64_t session_id, const TenantAccount& caller,
+                                       uint64_t export_id) {
+  KVF_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(session_id, &caller));
   absl::MutexLock lock(&session->mu);
   if (session->exports.erase(export_id) == 0) {
     return Error(absl::StatusCode::kNotFound, ErrorReason::kExportNotFound,
@@ -676,9 +683,10 @@ absl::Status SessionManager::UnmapPool(uint64_t session_id, uint64_t export_id) 
   return absl::OkStatus();
 }
 
-absl::Status SessionManager::AdoptPages(uint64_t session_id, const std::shared_ptr<Pool>& pool,
+absl::Status SessionManager::AdoptPages(uint64_t session_id, const TenantAccount& caller,
+                                        const std::shared_ptr<Pool>& pool,
                                         std::span<const PageHandle> pages) {
-  KVF_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(session_id));
+  KVF_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(session_id, &caller));
   absl::MutexLock lock(&session->mu);
   session->pages.emplace_back(pool, std::vector<PageHandle>(pages.begin(), pages.end()));
   return absl::OkStatus();

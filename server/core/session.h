@@ -23,6 +23,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "core/pool_manager.h"
+#include "core/tenant.h"
 
 namespace kvferry::server {
 
@@ -57,6 +58,7 @@ struct AsyncSlot {
 inline constexpr uint64_t kWordPending = 1, kWordDone = 2, kWordFailed = 3;
 
 struct TransferRequest {
+  const TenantAccount* caller = nullptr;  // must be the session's owner
   uint64_t session_id = 0;
   uint64_t tensor_id = 0;
   std::string pool;
@@ -101,25 +103,29 @@ class SessionManager {
     std::string completion_shm;
     uint32_t completion_slots;
   };
-  // `device`: the CUDA index of the worker's tensors ("cuda:<device>" pools only).
-  absl::StatusOr<Opened> Open(const std::string& worker, uint32_t device, uint32_t slots);
+  // `device`: the CUDA index of the worker's tensors ("cuda:<device>" pools only). The
+  // session belongs to `owner`: it reaches only that tenant's pools, and any other caller
+  // naming it gets SESSION_NOT_FOUND.
+  absl::StatusOr<Opened> Open(std::shared_ptr<TenantAccount> owner, const std::string& worker,
+                              uint32_t device, uint32_t slots);
   // Ends the session; unknown ids are ignored.
   void Close(uint64_t session_id);
   // Events for the session's stream (export revocations): blocks until one is there or the
   // session is closed (then nullopt).
   std::optional<std::string> NextRevocation(uint64_t session_id);
 
-  absl::StatusOr<std::vector<uint64_t>> Register(uint64_t session_id,
+  absl::StatusOr<std::vector<uint64_t>> Register(uint64_t session_id, const TenantAccount& caller,
                                                  std::span<const KvTensorSpec> tensors);
   // Token counts moved (0 for an asynchronous request, whose outcome goes to its word).
   absl::StatusOr<int64_t> Save(const TransferRequest& request);
   absl::StatusOr<int64_t> Load(const TransferRequest& request);
 
-  absl::StatusOr<PoolExport> MapPool(uint64_t session_id, const std::string& pool);
-  absl::Status UnmapPool(uint64_t session_id, uint64_t export_id);
+  absl::StatusOr<PoolExport> MapPool(uint64_t session_id, const TenantAccount& caller,
+                                     const std::string& pool);
+  absl::Status UnmapPool(uint64_t session_id, const TenantAccount& caller, uint64_t export_id);
   // Pages allocated on behalf of a session are freed when it ends.
-  absl::Status AdoptPages(uint64_t session_id, const std::shared_ptr<Pool>& pool,
-                          std::span<const PageHandle> pages);
+  absl::Status AdoptPages(uint64_t session_id, const TenantAccount& caller,
+                          const std::shared_ptr<Pool>& pool, std::span<const PageHandle> pages);
 
   // A pool was deleted: revoke its exports (their sessions are told; the memory stays until
   // each export is released or its session ends).
@@ -130,7 +136,8 @@ class SessionManager {
  private:
   struct Session;
   struct Tensor;
-  absl::StatusOr<std::shared_ptr<Session>> Find(uint64_t id) const;
+  // The session `id` of `caller` (null: any caller, for the daemon's own use).
+  absl::StatusOr<std::shared_ptr<Session>> Find(uint64_t id, const TenantAccount* caller) const;
   absl::StatusOr<int64_t> Transfer(const TransferRequest& request, bool save);
   // Runs `finish` (which waits for the device) on the completion thread, then writes the
   // word.

@@ -18,12 +18,20 @@ int64_t AlignUp(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
 
 // ---- arena ---------------------------------------------------------------------------------
 
+StagingArena::~StagingArena() {
+  if (owner_ != nullptr) owner_->Refund(Resource::kStagedWriteBytes, size_);
+}
+
 absl::StatusOr<int64_t> StagingArena::Reserve(int64_t bytes) {
   const int64_t offset = size_;
+  if (owner_ != nullptr) KVF_RETURN_IF_ERROR(owner_->Charge(Resource::kStagedWriteBytes, bytes));
   while (static_cast<int64_t>(chunks_.size()) * kChunkBytes < size_ + bytes) {
-    KVF_ASSIGN_OR_RETURN(Buffer chunk,
-                         backend_->Allocate(kChunkBytes, MemoryKind::kHostStaging, false));
-    chunks_.push_back(std::move(chunk));
+    absl::StatusOr<Buffer> chunk = backend_->Allocate(kChunkBytes, MemoryKind::kHostStaging, false);
+    if (!chunk.ok()) {
+      if (owner_ != nullptr) owner_->Refund(Resource::kStagedWriteBytes, bytes);
+      return chunk.status();
+    }
+    chunks_.push_back(std::move(*chunk));
   }
   size_ += bytes;
   return offset;

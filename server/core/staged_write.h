@@ -30,12 +30,17 @@ struct WriteLimits {
 };
 
 // Host staging that grows in fixed chunks of the backend's staging memory; one logical
-// byte stream.
+// byte stream. Its bytes are charged to `owner` (may be null) while the arena lives.
 class StagingArena {
  public:
   static constexpr int64_t kChunkBytes = int64_t{4} << 20;  // a multiple of a bf16 row
-  explicit StagingArena(Backend* backend) : backend_(backend) {}
-  // Reserves `bytes` at the end of the stream; returns their offset.
+  explicit StagingArena(Backend* backend, TenantAccount* owner = nullptr)
+      : backend_(backend), owner_(owner) {}
+  StagingArena(const StagingArena&) = delete;
+  StagingArena& operator=(const StagingArena&) = delete;
+  ~StagingArena();
+  // Reserves `bytes` at the end of the stream; returns their offset. QUOTA_EXCEEDED when
+  // the owner may not stage that many more bytes.
   absl::StatusOr<int64_t> Reserve(int64_t bytes);
   // Copies data into reserved bytes at `offset`.
   void Write(int64_t offset, std::span<const uint8_t> data);
@@ -47,6 +52,7 @@ class StagingArena {
 
  private:
   Backend* const backend_;
+  TenantAccount* const owner_;
   std::vector<Buffer> chunks_;
   int64_t size_ = 0;
 };
@@ -76,7 +82,7 @@ class StagedWrite {
  private:
   StagedWrite(std::shared_ptr<Pool> pool, bool rows, int layer, WriteLimits limits)
       : pool_(std::move(pool)), rows_(rows), layer_(layer), limits_(limits),
-        arena_(&pool_->backend()) {}
+        arena_(&pool_->backend(), pool_->owner().get()) {}
   absl::Status CheckGeneration(const PageHandle& page);
   absl::Status CountMessage(bool empty);
   absl::StatusOr<int64_t> CommitRows();

@@ -32,6 +32,7 @@ struct PoolConfig {
 
 struct PoolStats {
   std::string name;
+  std::string tenant;        // the owner's name; empty for the default tenant
   std::string device;
   uint64_t pool_id = 0;      // the incarnation: new for every CreatePool
   Layout layout = Layout::kV4;

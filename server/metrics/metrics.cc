@@ -148,8 +148,11 @@ void DaemonMetrics::RecordOp(const char* op, Layout layout, double seconds) {
 std::string DaemonMetrics::Render() const {
   std::string out;
   const std::vector<PoolStats> pools = pools_();
+  // Pools are namespaced by tenant: its name (never a token) tells same-named pools
+  // apart. The default tenant of a daemon without tokens has no label.
   auto labels = [](const PoolStats& p) {
-    return absl::StrCat("pool=\"", Escape(p.name), "\",layout=\"", LayoutName(p.layout),
+    return absl::StrCat(p.tenant.empty() ? "" : absl::StrCat("tenant=\"", Escape(p.tenant), "\","),
+                        "pool=\"", Escape(p.name), "\",layout=\"", LayoutName(p.layout),
                         "\",device=\"", Escape(p.device), "\"");
   };
   auto simple = [&](const char* name, const char* help, auto value) {
@@ -207,8 +210,9 @@ std::string DaemonMetrics::Render() const {
   return out;
 }
 
-absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::string& address,
-                                                                    const DaemonMetrics* metrics) {
+absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
+    const std::string& address, const DaemonMetrics* metrics,
+    std::function<bool(ssl_ctx_st&)> tls_setup) {
   const size_t colon = address.rfind(':');
   int port;
   if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port) ||
@@ -218,7 +222,15 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(const std::s
   }
   const std::string host = address.substr(0, colon);
   std::unique_ptr<MetricsServer> server(new MetricsServer());
-  server->http_ = std::make_unique<httplib::Server>();
+  if (tls_setup) {
+    auto https = std::make_unique<httplib::SSLServer>(tls_setup);
+    if (!https->is_valid()) {
+      return absl::InvalidArgumentError("metrics: cannot set up TLS from the certificate files");
+    }
+    server->http_ = std::move(https);
+  } else {
+    server->http_ = std::make_unique<httplib::Server>();
+  }
   // SO_REUSEADDR only: httplib's default adds SO_REUSEPORT, which lets a second daemon bind
   // the same port and take half of the scrapes.
   server->http_->set_socket_options([](socket_t sock) {

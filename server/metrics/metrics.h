@@ -21,6 +21,7 @@
 namespace httplib {
 class Server;
 }
+struct ssl_ctx_st;  // OpenSSL's SSL_CTX
 
 namespace kvferry::server {
 
@@ -98,8 +99,11 @@ class DaemonMetrics : public OpObserver, public TransferObserver {
 class MetricsServer {
  public:
   // Binds `address` ("host:port"; port 0 picks a free one). The metrics outlive the server.
-  static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(const std::string& address,
-                                                              const DaemonMetrics* metrics);
+  // With `tls_setup` it serves HTTPS: the function sets up the server's SSL_CTX (its
+  // certificates, client verification) and returns false if it cannot.
+  static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(
+      const std::string& address, const DaemonMetrics* metrics,
+      std::function<bool(ssl_ctx_st&)> tls_setup = {});
   ~MetricsServer();
   int port() const { return port_; }
 

@@ -18,6 +18,7 @@ namespace kvferry::server {
 namespace {
 
 using grpc::ServerContext;
+using Tenant = std::shared_ptr<TenantAccount>;
 
 // The client went away (cancelled or past its deadline): its staged work is dropped.
 absl::Status ClientGone(ServerContext* context) {
@@ -33,12 +34,6 @@ std::span<const uint8_t> Bytes(const std::string& s) {
   return {reinterpret_cast<const uint8_t*>(s.data()), s.size()};
 }
 
-// Every handler: run the body, map its status (and reason) once.
-template <typename Body>
-grpc::Status Handle(ServerContext* context, Body&& body) {
-  return ToGrpcStatus(context, body());
-}
-
 // The loop of the client-streaming writes: the first message names the target and starts
 // the staged write (`begin`); a later message may repeat the target but not change it
 // (`same_target`); every message is added (`add`); a stream that ends cleanly commits.
@@ -46,6 +41,7 @@ grpc::Status Handle(ServerContext* context, Body&& body) {
 template <typename Request>
 absl::StatusOr<int64_t> StreamWrite(
     ServerContext* context, grpc::ServerReader<Request>* reader, PoolManager* pools,
+    const TenantAccount& tenant,
     const std::function<absl::StatusOr<std::unique_ptr<StagedWrite>>(const Request&,
                                                                      std::shared_ptr<Pool>)>& begin,
     const std::function<absl::Status(const Request& first, const Request& msg)>& same_target,
@@ -57,7 +53,7 @@ absl::StatusOr<int64_t> StreamWrite(
     const Request& m = write ? msg : first;
     *received += m.ByteSizeLong();
     if (!write) {
-      KVF_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, pools->Get(first.pool()));
+      KVF_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, pools->Get(tenant, first.pool()));
       KVF_ASSIGN_OR_RETURN(write, begin(first, std::move(pool)));
     } else {
       if (!msg.pool().empty() && msg.pool() != first.pool()) {
@@ -102,6 +98,29 @@ absl::Status StreamRead(ServerContext* context, Reader& reader, int64_t chunk_by
 
 }  // namespace
 
+KvFerryService::KvFerryService(PoolManager* pools, SessionManager* sessions, ServiceOptions options)
+    : pools_(pools),
+      sessions_(sessions),
+      options_(options),
+      default_auth_(std::make_unique<OpenAuthenticator>(std::make_shared<TenantAccount>(""))),
+      auth_(default_auth_.get()) {}
+
+template <typename Body>
+grpc::Status KvFerryService::Handle(ServerContext* context, Body&& body) const {
+  absl::StatusOr<std::shared_ptr<TenantAccount>> tenant = auth_->Authenticate(*context);
+  if (!tenant.ok()) return ToGrpcStatus(context, tenant.status());
+  return ToGrpcStatus(context, body(*tenant));
+}
+
+template <typename Body>
+grpc::Status KvFerryService::HandleStream(ServerContext* context, Body&& body) const {
+  return Handle(context, [&](const Tenant& tenant) -> absl::Status {
+    KVF_ASSIGN_OR_RETURN(const ScopedCharge stream,
+                         ScopedCharge::Take(tenant, Resource::kStreams, 1));
+    return body(tenant);
+  });
+}
+
 int64_t KvFerryService::ChunkBytes(uint32_t requested) const {
   if (requested == 0) return options_.default_chunk_bytes;
   // At least one bf16 row per piece, at most the daemon's limit.
@@ -110,13 +129,16 @@ int64_t KvFerryService::ChunkBytes(uint32_t requested) const {
 
 grpc::Status KvFerryService::CreatePool(ServerContext* context, const v1::CreatePoolRequest* req,
                                         v1::Pool* out) {
-  return Handle(context, [&]() -> absl::Status {
+  return Handle(context, [&](const Tenant& tenant) -> absl::Status {
     KVF_ASSIGN_OR_RETURN(const PoolConfig config, FromProto(*req));
-    KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Create(config, req->device()));
+    KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool,
+                         pools_->Create(tenant, config, req->device()));
     const PoolStats stats = pool->Stats();
-    log::Info("pool created name={} id={} layout={} page_size={} pages={} layers={} device={} bytes={}",
-              log::Quoted(stats.name), stats.pool_id, LayoutName(stats.layout), stats.page_size,
-              stats.num_pages, stats.num_layers, stats.device, stats.pool_bytes);
+    log::Info("pool created tenant={} name={} id={} layout={} page_size={} pages={} layers={} "
+              "device={} bytes={}",
+              log::Quoted(stats.tenant), log::Quoted(stats.name), stats.pool_id,
+              LayoutName(stats.layout), stats.page_size, stats.num_pages, stats.num_layers,
+              stats.device, stats.pool_bytes);
     ToProto(stats, out);
     return absl::OkStatus();
   });
@@ -124,8 +146,8 @@ grpc::Status KvFerryService::CreatePool(ServerContext* context, const v1::Create
 
 grpc::Status KvFerryService::DescribePool(ServerContext* context,
                                           const v1::DescribePoolRequest* req, v1::Pool* out) {
-  return Handle(context, [&]() -> absl::Status {
-    KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Get(req->name()));
+  return Handle(context, [&](const Tenant& tenant) -> absl::Status {
+    KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Get(*tenant, req->name()));
     ToProto(pool->Stats(), out);
     return absl::OkStatus();
   });
@@ -133,17 +155,18 @@ grpc::Status KvFerryService::DescribePool(ServerContext* context,
 
 grpc::Status KvFerryService::ListPools(ServerContext* context, const v1::ListPoolsRequest*,
                                        v1::ListPoolsResponse* out) {
-  return Handle(context, [&]() -> absl::Status {
-    for (const PoolStats& s : pools_->Stats().pools) ToProto(s, out->add_pools());
+  return Handle(context, [&](const Tenant& tenant) -> absl::Status {
+    for (const PoolStats& s : pools_->Stats(*tenant).pools) ToProto(s, out->add_pools());
     return absl::OkStatus();
   });
 }
 
 grpc::Status KvFerryService::DeletePool(ServerContext* context, const v1::DeletePoolRequest* req,
                                         v1::DeletePoolResponse*) {
-  return Handle(context, [&]() -> absl::Status {
-    KVF_RETURN_IF_ERROR(pools_->Delete(req->name()));
-    log::Info("pool deleted name={}", log::Quoted(req->name()));
+  return Handle(context, [&](const Tenant& tenant) -> absl::Status {
+    KVF_RETURN_IF_ERROR(pools_->Delete(*tenant, req->name()));
+    log::Info("pool deleted tenant={} name={}", log::Quoted(tenant->name()),
+              log::Quoted(req->name()));
     return absl::OkStatus();
   });
 }
@@ -151,19 +174,19 @@ grpc::Status KvFerryService::DeletePool(ServerContext* context, const v1::Delete
 grpc::Status KvFerryService::AllocatePages(ServerContext* context,
                                            const v1::AllocatePagesRequest* req,
                                            v1::AllocatePagesResponse* out) {
-  return Handle(context, [&]() -> absl::Status {
+  return Handle(context, [&](const Tenant& tenant) -> absl::Status {
     if (req->count() > static_cast<uint64_t>(options_.max_pages_per_call)) {
       return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kTooManyPages,
                    absl::StrCat("count ", req->count(), " is above ", options_.max_pages_per_call,
                                 ", the most pages one reply carries; allocate in several calls"));
     }
-    KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Get(req->pool()));
+    KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Get(*tenant, req->pool()));
     if (req->session_id() != 0 && sessions_ == nullptr) {
       return Error(absl::StatusCode::kNotFound, ErrorReason::kSessionNotFound, "no sessions here");
     }
     KVF_ASSIGN_OR_RETURN(const std::vector<PageHandle> pages, pool->AllocatePages(req->count()));
     if (req->session_id() != 0) {
-      if (absl::Status s = sessions_->AdoptPages(req->session_id(), pool, pages); !s.ok()) {
+      if (absl::Status s = sessions_->AdoptPages(req->session_id(), *tenant, pool, pages); !s.ok()) {
         pool->FreePages(pages).IgnoreError();
         return s;
       }
@@ -180,8 +203,8 @@ grpc::Status KvFerryService::AllocatePages(ServerContext* context,
 
 grpc::Status KvFerryService::FreePages(ServerContext* context, const v1::FreePagesRequest* req,
                                        v1::FreePagesResponse*) {
-  return Handle(context, [&]() -> absl::Status {
-    KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Get(req->pool()));
+  return Handle(context, [&](const Tenant& tenant) -> absl::Status {
+    KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Get(*tenant, req->pool()));
     return pool->FreePages(FromProto(req->pages()));
   });
 }
@@ -189,12 +212,12 @@ grpc::Status KvFerryService::FreePages(ServerContext* context, const v1::FreePag
 grpc::Status KvFerryService::WriteTokens(ServerContext* context,
                                          grpc::ServerReader<v1::WriteTokensRequest>* reader,
                                          v1::WriteResponse* out) {
-  return Handle(context, [&]() -> absl::Status {
+  return HandleStream(context, [&](const Tenant& tenant) -> absl::Status {
     uint64_t received = 0;
     KVF_ASSIGN_OR_RETURN(
         const int64_t written,
         StreamWrite<v1::WriteTokensRequest>(
-            context, reader, pools_,
+            context, reader, pools_, *tenant,
             [&](const v1::WriteTokensRequest& first, std::shared_ptr<Pool> pool) {
               return StagedWrite::ForRows(std::move(pool), first.layer(), options_.write_limits);
             },
@@ -219,12 +242,12 @@ grpc::Status KvFerryService::WriteTokens(ServerContext* context,
 grpc::Status KvFerryService::WritePages(ServerContext* context,
                                         grpc::ServerReader<v1::WritePagesRequest>* reader,
                                         v1::WriteResponse* out) {
-  return Handle(context, [&]() -> absl::Status {
+  return HandleStream(context, [&](const Tenant& tenant) -> absl::Status {
     uint64_t received = 0;
     KVF_ASSIGN_OR_RETURN(
         const int64_t written,
         StreamWrite<v1::WritePagesRequest>(
-            context, reader, pools_,
+            context, reader, pools_, *tenant,
             [&](const v1::WritePagesRequest& first,
                 std::shared_ptr<Pool> pool) -> absl::StatusOr<std::unique_ptr<StagedWrite>> {
               KVF_ASSIGN_OR_RETURN(const Layout layout, FromProto(first.layout()));
@@ -250,8 +273,8 @@ grpc::Status KvFerryService::WritePages(ServerContext* context,
 
 grpc::Status KvFerryService::ReadPages(ServerContext* context, const v1::ReadPagesRequest* req,
                                        grpc::ServerWriter<v1::PageChunk>* writer) {
-  return Handle(context, [&]() -> absl::Status {
-    KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Get(req->pool()));
+  return HandleStream(context, [&](const Tenant& tenant) -> absl::Status {
+    KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Get(*tenant, req->pool()));
     KVF_ASSIGN_OR_RETURN(const std::optional<Layout> transcode_to,
                          TranscodeFromProto(req->transcode_to()));
     const std::vector<int64_t> layers(req->layers().begin(), req->layers().end());
@@ -273,8 +296,8 @@ grpc::Status KvFerryService::ReadPages(ServerContext* context, const v1::ReadPag
 grpc::Status KvFerryService::ReadWorkspace(ServerContext* context,
                                            const v1::ReadWorkspaceRequest* req,
                                            grpc::ServerWriter<v1::WorkspaceChunk>* writer) {
-  return Handle(context, [&]() -> absl::Status {
-    KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Get(req->pool()));
+  return HandleStream(context, [&](const Tenant& tenant) -> absl::Status {
+    KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Get(*tenant, req->pool()));
     // Pieces of whole rows.
     const int64_t chunk_bytes = ChunkBytes(req->chunk_bytes()) / kBf16RowBytes * kBf16RowBytes;
     KVF_ASSIGN_OR_RETURN(std::unique_ptr<Reader> reader,
@@ -291,8 +314,8 @@ grpc::Status KvFerryService::ReadWorkspace(ServerContext* context,
 
 grpc::Status KvFerryService::GetStats(ServerContext* context, const v1::GetStatsRequest*,
                                       v1::Stats* out) {
-  return Handle(context, [&]() -> absl::Status {
-    ToProto(pools_->Stats(), out);
+  return Handle(context, [&](const Tenant& tenant) -> absl::Status {
+    ToProto(pools_->Stats(*tenant), out);
     return absl::OkStatus();
   });
 }

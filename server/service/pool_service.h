@@ -9,6 +9,8 @@
 #include "core/pool_manager.h"
 #include "core/session.h"
 #include "core/staged_write.h"
+#include "core/tenant.h"
+#include "security/authenticator.h"
 #include "kvferry/v1/kvferry.grpc.pb.h"
 
 namespace kvferry::server {
@@ -20,11 +22,17 @@ struct ServiceOptions {
   int64_t max_pages_per_call = 65536;     // AllocatePages count: its reply must fit a message
 };
 
+// Every handler first asks `auth` who calls: a call it refuses does nothing else. The
+// caller's tenant is the owner of the pools it names; streaming calls also hold one of its
+// `streams` while open.
 class KvFerryService final : public kvferry::v1::KvFerry::Service {
  public:
-  // `sessions` may be null (no session-owned pages then).
-  KvFerryService(PoolManager* pools, SessionManager* sessions, ServiceOptions options)
-      : pools_(pools), sessions_(sessions), options_(options) {}
+  // Every caller is the one default tenant. `sessions` may be null (no session-owned pages).
+  KvFerryService(PoolManager* pools, SessionManager* sessions, ServiceOptions options);
+  // `auth` outlives the service.
+  KvFerryService(PoolManager* pools, SessionManager* sessions, ServiceOptions options,
+                 const Authenticator* auth)
+      : pools_(pools), sessions_(sessions), options_(options), auth_(auth) {}
 
   grpc::Status CreatePool(grpc::ServerContext*, const v1::CreatePoolRequest*, v1::Pool*) override;
   grpc::Status DescribePool(grpc::ServerContext*, const v1::DescribePoolRequest*,
@@ -49,10 +57,17 @@ class KvFerryService final : public kvferry::v1::KvFerry::Service {
 
  private:
   int64_t ChunkBytes(uint32_t requested) const;
+  // Authenticates, runs `body(tenant)`, maps its status once (stream: holds a stream slot).
+  template <typename Body>
+  grpc::Status Handle(grpc::ServerContext* context, Body&& body) const;
+  template <typename Body>
+  grpc::Status HandleStream(grpc::ServerContext* context, Body&& body) const;
 
   PoolManager* const pools_;
   SessionManager* const sessions_;
   const ServiceOptions options_;
+  std::unique_ptr<Authenticator> default_auth_;  // when constructed without one
+  const Authenticator* auth_;
 };
 
 }  // namespace kvferry::server

@@ -14,11 +14,6 @@
 namespace kvferry::server {
 namespace {
 
-template <typename Body>
-grpc::Status Handle(grpc::ServerContext* context, Body&& body) {
-  return ToGrpcStatus(context, body());
-}
-
 absl::StatusOr<KvTensorSpec> FromProto(const v1::KvTensor& t) {
   KvTensorSpec spec;
   spec.ipc_handle = t.ipc_handle();
@@ -54,8 +49,9 @@ std::vector<BlockSlot> FromProto(const google::protobuf::RepeatedPtrField<v1::Bl
 }
 
 template <typename Request>
-TransferRequest Common(const Request& req) {
+TransferRequest Common(const Request& req, const TenantAccount& caller) {
   TransferRequest t;
+  t.caller = &caller;
   t.session_id = req.session_id();
   t.tensor_id = req.tensor_id();
   t.pool = req.pool();
@@ -66,9 +62,18 @@ TransferRequest Common(const Request& req) {
 
 }  // namespace
 
+template <typename Body>
+grpc::Status SessionService::Handle(grpc::ServerContext* context, Body&& body) const {
+  absl::StatusOr<std::shared_ptr<TenantAccount>> tenant = auth_->Authenticate(*context);
+  if (!tenant.ok()) return ToGrpcStatus(context, tenant.status());
+  return ToGrpcStatus(context, body(**tenant));
+}
+
 grpc::Status SessionService::OpenSession(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::SessionEvent, v1::SessionRequest>* stream) {
+  absl::StatusOr<std::shared_ptr<TenantAccount>> owner = auth_->Authenticate(*context);
+  if (!owner.ok()) return ToGrpcStatus(context, owner.status());
   v1::SessionRequest first;
   if (!stream->Read(&first)) return grpc::Status::CANCELLED;
   if (!first.has_open()) {
@@ -77,7 +82,8 @@ grpc::Status SessionService::OpenSession(
                                        "the first message of a session must be `open`"));
   }
   absl::StatusOr<SessionManager::Opened> opened =
-      sessions_->Open(first.open().worker(), first.open().device(), first.open().completion_slots());
+      sessions_->Open(*owner, first.open().worker(), first.open().device(),
+                      first.open().completion_slots());
   if (!opened.ok()) return ToGrpcStatus(context, opened.status());
   const uint64_t id = opened->session_id;
   log::Info("session opened id={} worker={} device=cuda:{}", id,
@@ -112,13 +118,13 @@ grpc::Status SessionService::OpenSession(
 grpc::Status SessionService::RegisterKv(grpc::ServerContext* context,
                                         const v1::RegisterKvRequest* req,
                                         v1::RegisterKvResponse* out) {
-  return Handle(context, [&]() -> absl::Status {
+  return Handle(context, [&](const TenantAccount& caller) -> absl::Status {
     std::vector<KvTensorSpec> specs;
     for (const v1::KvTensor& t : req->tensors()) {
       KVF_ASSIGN_OR_RETURN(KvTensorSpec spec, FromProto(t));
       specs.push_back(std::move(spec));
     }
-    KVF_ASSIGN_OR_RETURN(const std::vector<uint64_t> ids, sessions_->Register(req->session_id(), specs));
+    KVF_ASSIGN_OR_RETURN(const std::vector<uint64_t> ids, sessions_->Register(req->session_id(), caller, specs));
     for (uint64_t id : ids) out->add_tensor_ids(id);
     return absl::OkStatus();
   });
@@ -126,8 +132,8 @@ grpc::Status SessionService::RegisterKv(grpc::ServerContext* context,
 
 grpc::Status SessionService::Save(grpc::ServerContext* context, const v1::SaveRequest* req,
                                   v1::TransferResponse* out) {
-  return Handle(context, [&]() -> absl::Status {
-    TransferRequest t = Common(*req);
+  return Handle(context, [&](const TenantAccount& caller) -> absl::Status {
+    TransferRequest t = Common(*req, caller);
     t.blocks = FromProto(req->sources());
     t.locations = server::FromProto(req->destinations());
     t.tensor_blocks.assign(req->source_blocks().begin(), req->source_blocks().end());
@@ -140,8 +146,8 @@ grpc::Status SessionService::Save(grpc::ServerContext* context, const v1::SaveRe
 
 grpc::Status SessionService::Load(grpc::ServerContext* context, const v1::LoadRequest* req,
                                   v1::TransferResponse* out) {
-  return Handle(context, [&]() -> absl::Status {
-    TransferRequest t = Common(*req);
+  return Handle(context, [&](const TenantAccount& caller) -> absl::Status {
+    TransferRequest t = Common(*req, caller);
     t.locations = server::FromProto(req->sources());
     t.blocks = FromProto(req->destinations());
     t.pages = server::FromProto(req->source_pages());
@@ -154,8 +160,9 @@ grpc::Status SessionService::Load(grpc::ServerContext* context, const v1::LoadRe
 
 grpc::Status SessionService::MapPool(grpc::ServerContext* context, const v1::MapPoolRequest* req,
                                      v1::MapPoolResponse* out) {
-  return Handle(context, [&]() -> absl::Status {
-    KVF_ASSIGN_OR_RETURN(const PoolExport e, sessions_->MapPool(req->session_id(), req->pool()));
+  return Handle(context, [&](const TenantAccount& caller) -> absl::Status {
+    KVF_ASSIGN_OR_RETURN(const PoolExport e,
+                         sessions_->MapPool(req->session_id(), caller, req->pool()));
     out->set_export_id(e.export_id);
     out->set_ipc_handle(e.memory.ipc_handle);
     out->set_offset(e.memory.offset);
@@ -168,7 +175,9 @@ grpc::Status SessionService::MapPool(grpc::ServerContext* context, const v1::Map
 
 grpc::Status SessionService::UnmapPool(grpc::ServerContext* context,
                                        const v1::UnmapPoolRequest* req, v1::UnmapPoolResponse*) {
-  return Handle(context, [&] { return sessions_->UnmapPool(req->session_id(), req->export_id()); });
+  return Handle(context, [&](const TenantAccount& caller) {
+    return sessions_->UnmapPool(req->session_id(), caller, req->export_id());
+  });
 }
 
 }  // namespace kvferry::server

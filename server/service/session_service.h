@@ -5,13 +5,16 @@
 #include <grpcpp/grpcpp.h>
 
 #include "core/session.h"
+#include "security/authenticator.h"
 #include "kvferry/v1/session.grpc.pb.h"
 
 namespace kvferry::server {
 
 class SessionService final : public kvferry::v1::KvSession::Service {
  public:
-  explicit SessionService(SessionManager* sessions) : sessions_(sessions) {}
+  // `auth` (who is calling) outlives the service.
+  SessionService(SessionManager* sessions, const Authenticator* auth)
+      : sessions_(sessions), auth_(auth) {}
 
   grpc::Status OpenSession(
       grpc::ServerContext*,
@@ -26,7 +29,12 @@ class SessionService final : public kvferry::v1::KvSession::Service {
                          v1::UnmapPoolResponse*) override;
 
  private:
+  // Authenticates, runs `body(tenant)`, maps its status once.
+  template <typename Body>
+  grpc::Status Handle(grpc::ServerContext* context, Body&& body) const;
+
   SessionManager* const sessions_;
+  const Authenticator* const auth_;
 };
 
 }  // namespace kvferry::server

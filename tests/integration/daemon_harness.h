@@ -1,6 +1,7 @@
 // Starts the real kvferryd binary on free loopback ports and connects generated stubs.
 #pragma once
 
+#include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -13,6 +14,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <grpcpp/support/client_interceptor.h>
 
 #include "gtest/gtest.h"
 #include "kvferry/kernels/format.h"
@@ -32,9 +35,54 @@ inline std::string DaemonPath() {
   return d != nullptr && *d != '\0' ? d : KVFERRY_DAEMON_PATH;
 }
 
+// Adds `authorization: Bearer <token>` to every call of a channel (call credentials would
+// need a secure channel; this works on plaintext loopback too).
+class BearerToken final : public grpc::experimental::ClientInterceptorFactoryInterface {
+ public:
+  explicit BearerToken(std::string token) : token_(std::move(token)) {}
+  grpc::experimental::Interceptor* CreateClientInterceptor(
+      grpc::experimental::ClientRpcInfo*) override {
+    return new Adder(token_);
+  }
+
+ private:
+  class Adder final : public grpc::experimental::Interceptor {
+   public:
+    explicit Adder(const std::string& token) : value_("Bearer " + token) {}
+    void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+      if (methods->QueryInterceptionHookPoint(
+              grpc::experimental::InterceptionHookPoints::PRE_SEND_INITIAL_METADATA)) {
+        methods->GetSendInitialMetadata()->insert({"authorization", value_});
+      }
+      methods->Proceed();
+    }
+
+   private:
+    const std::string value_;
+  };
+  const std::string token_;
+};
+
+// A channel to 127.0.0.1:port; `token` non-empty: sent with every call; `server_name`
+// non-empty: the name the server's certificate must carry (TLS).
+inline std::shared_ptr<grpc::Channel> MakeChannel(int port,
+                                                  std::shared_ptr<grpc::ChannelCredentials> creds,
+                                                  const std::string& token = "",
+                                                  const std::string& server_name = "") {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  args.SetMaxSendMessageSize(64 << 20);
+  if (!server_name.empty()) args.SetSslTargetNameOverride(server_name);
+  std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> interceptors;
+  if (!token.empty()) interceptors.push_back(std::make_unique<BearerToken>(token));
+  return grpc::experimental::CreateCustomChannelWithInterceptors(
+      "127.0.0.1:" + std::to_string(port), creds, args, std::move(interceptors));
+}
+
 class Daemon {
  public:
-  explicit Daemon(std::vector<std::string> extra_flags = {}) {
+  // `capture_log`: the daemon's stderr goes to a file that Log() reads, not to the test's.
+  explicit Daemon(std::vector<std::string> extra_flags = {}, bool capture_log = false) {
     char dir[] = "/tmp/kvferryd-test-XXXXXX";
     if (mkdtemp(dir) == nullptr) throw std::runtime_error("mkdtemp");
     dir_ = dir;
@@ -45,6 +93,7 @@ class Daemon {
     args.insert(args.end(), extra_flags.begin(), extra_flags.end());
     pid_ = fork();
     if (pid_ == 0) {
+      if (capture_log) freopen((dir_ + "/log").c_str(), "w", stderr);
       std::vector<char*> argv;
       for (auto& a : args) argv.push_back(a.data());
       argv.push_back(nullptr);
@@ -94,6 +143,13 @@ class Daemon {
     return -1;
   }
 
+  // Later calls through stub() (and the helpers below) use these credentials and token.
+  void Connect(std::shared_ptr<grpc::ChannelCredentials> creds, const std::string& token = "",
+               const std::string& server_name = "") {
+    channel_ = MakeChannel(grpc_port_, std::move(creds), token, server_name);
+    stub_ = v1::KvFerry::NewStub(channel_);
+  }
+
   v1::KvFerry::Stub& stub() { return *stub_; }
   pid_t pid() const { return pid_; }
   int grpc_port() const { return grpc_port_; }
@@ -102,6 +158,11 @@ class Daemon {
   std::shared_ptr<grpc::Channel> channel() { return channel_; }
   int metrics_port() const { return metrics_port_; }
   const std::string& dir() const { return dir_; }
+  // What the daemon logged so far (with capture_log).
+  std::string Log() const {
+    std::ifstream in(dir_ + "/log");
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
 
  private:
   std::string dir_;
@@ -110,6 +171,34 @@ class Daemon {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KvFerry::Stub> stub_;
 };
+
+// A unary call of any method with raw request bytes, through the generic stub.
+inline grpc::Status RawUnary(const std::shared_ptr<grpc::Channel>& channel, const std::string& method,
+                      const std::string& request, std::string* response) {
+  grpc::GenericStub stub(channel);
+  grpc::CompletionQueue cq;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  grpc::Slice slice(request);
+  grpc::ByteBuffer req(&slice, 1), resp;
+  auto call = stub.PrepareUnaryCall(&ctx, method, req, &cq);
+  call->StartCall();
+  grpc::Status status;
+  call->Finish(&resp, &status, reinterpret_cast<void*>(1));
+  void* tag;
+  bool ok;
+  cq.Next(&tag, &ok);
+  if (response != nullptr && status.ok()) {
+    std::vector<grpc::Slice> slices;
+    resp.Dump(&slices);
+    response->clear();
+    for (const auto& s : slices) response->append(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+  return status;
+}
 
 // The error reason the daemon attached to a finished call (empty when none).
 inline std::string ReasonOf(const grpc::ClientContext& ctx) {

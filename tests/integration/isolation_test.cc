@@ -18,39 +18,12 @@ namespace {
 
 using testing::Daemon;
 using testing::Location;
+using testing::RawUnary;
 
 std::string Fetch(int port, const std::string& path) {
   httplib::Client client("127.0.0.1", port);
   auto res = client.Get(path);
   return res && res->status == 200 ? res->body : "";
-}
-
-// A unary call of any method with raw request bytes, through the generic stub.
-grpc::Status RawUnary(const std::shared_ptr<grpc::Channel>& channel, const std::string& method,
-                      const std::string& request, std::string* response) {
-  grpc::GenericStub stub(channel);
-  grpc::CompletionQueue cq;
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
-  grpc::Slice slice(request);
-  grpc::ByteBuffer req(&slice, 1), resp;
-  auto call = stub.PrepareUnaryCall(&ctx, method, req, &cq);
-  call->StartCall();
-  grpc::Status status;
-  call->Finish(&resp, &status, reinterpret_cast<void*>(1));
-  void* tag;
-  bool ok;
-  cq.Next(&tag, &ok);
-  if (response != nullptr && status.ok()) {
-    std::vector<grpc::Slice> slices;
-    resp.Dump(&slices);
-    response->clear();
-    for (const auto& s : slices) response->append(reinterpret_cast<const char*>(s.begin()), s.size());
-  }
-  cq.Shutdown();
-  while (cq.Next(&tag, &ok)) {
-  }
-  return status;
 }
 
 // Health/Watch: sends the request and reads the first response.
@@ -232,7 +205,9 @@ TEST(StaleWriteTest, WriteNamingAPageAtTwoGenerationsFailsWholeAndChangesNothing
   v1::WriteTokensRequest msg2;
   *msg2.add_locations() = Location(second[0], 1);
   msg2.set_rows(reinterpret_cast<const char*>(rows.data() + 512), 1024);
-  ASSERT_TRUE(writer->Write(msg2));
+  // May report false: the daemon can refuse the write (and end the call) before the client
+  // learns that this message went out.
+  writer->Write(msg2);
   writer->WritesDone();
   const grpc::Status s = writer->Finish();
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();

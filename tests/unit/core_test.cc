@@ -368,21 +368,23 @@ TEST(CoreFaultTest, EveryAllocationCopyAndOpFailureOfAWriteLeavesThePoolAsItWas)
 
 // ---- manager -------------------------------------------------------------------------------------
 
+const std::shared_ptr<TenantAccount> kTenant = std::make_shared<TenantAccount>("");
+
 TEST(PoolManagerTest, NamesIncarnationsTotalsAndDeletion) {
   PoolManager manager(PoolManagerOptions{"cpu", nullptr, {}, nullptr});
   PoolConfig config{"a", Layout::kV4, 16, 4, 1};
-  auto a = manager.Create(config, "");
+  auto a = manager.Create(kTenant, config, "");
   ASSERT_TRUE(a.ok());
-  EXPECT_EQ(ReasonOf(manager.Create(config, "").status()), ErrorReason::kPoolExists);
+  EXPECT_EQ(ReasonOf(manager.Create(kTenant, config, "").status()), ErrorReason::kPoolExists);
   config.name = "bad name";
-  EXPECT_EQ(ReasonOf(manager.Create(config, "").status()), ErrorReason::kInvalidName);
+  EXPECT_EQ(ReasonOf(manager.Create(kTenant, config, "").status()), ErrorReason::kInvalidName);
   config.name = "b";
-  EXPECT_EQ(ReasonOf(manager.Create(config, "gpu").status()), ErrorReason::kUnknownDevice);
-  EXPECT_EQ(ReasonOf(manager.Get("b").status()), ErrorReason::kPoolNotFound);  // failed create left nothing
+  EXPECT_EQ(ReasonOf(manager.Create(kTenant, config, "gpu").status()), ErrorReason::kUnknownDevice);
+  EXPECT_EQ(ReasonOf(manager.Get(*kTenant, "b").status()), ErrorReason::kPoolNotFound);  // failed create left nothing
   config.num_layers = 0;
-  EXPECT_EQ(ReasonOf(manager.Create(config, "").status()), ErrorReason::kInvalidGeometry);
+  EXPECT_EQ(ReasonOf(manager.Create(kTenant, config, "").status()), ErrorReason::kInvalidGeometry);
   config.num_layers = 2;
-  auto b = manager.Create(config, "cpu");
+  auto b = manager.Create(kTenant, config, "cpu");
   ASSERT_TRUE(b.ok());
   EXPECT_NE((*a)->id(), (*b)->id());
   auto w = *StagedWrite::ForRows(*b, 1, WriteLimits{});
@@ -400,14 +402,14 @@ TEST(PoolManagerTest, NamesIncarnationsTotalsAndDeletion) {
   // A write begun on a deleted pool fails at commit.
   auto late = *StagedWrite::ForRows(*b, 0, WriteLimits{});
   ASSERT_TRUE(late->AddRows(Where{{h[0], 2}}, AsBytes(testing::RandomRows(1, 4))).ok());
-  ASSERT_TRUE(manager.Delete("b").ok());
+  ASSERT_TRUE(manager.Delete(*kTenant, "b").ok());
   EXPECT_EQ(ReasonOf(late->Commit().status()), ErrorReason::kPoolDeleted);
-  EXPECT_EQ(ReasonOf(manager.Delete("b")), ErrorReason::kPoolNotFound);
+  EXPECT_EQ(ReasonOf(manager.Delete(*kTenant, "b")), ErrorReason::kPoolNotFound);
 }
 
 TEST(PoolManagerTest, ConcurrentWritersOfDisjointPagesAllLandExactly) {
   PoolManager manager(PoolManagerOptions{"cpu", nullptr, {}, nullptr});
-  auto pool = *manager.Create(PoolConfig{"c", Layout::kV4, 64, 32, 1}, "");
+  auto pool = *manager.Create(kTenant, PoolConfig{"c", Layout::kV4, 64, 32, 1}, "");
   std::vector<std::thread> threads;
   std::atomic<int> failures{0};
   for (int t = 0; t < 8; ++t) {
@@ -437,6 +439,102 @@ TEST(PoolManagerTest, ConcurrentWritersOfDisjointPagesAllLandExactly) {
   for (auto& t : threads) t.join();
   EXPECT_EQ(failures.load(), 0);
   EXPECT_EQ(pool->Stats().tokens_held, 8 * 256);
+}
+
+// ---- tenants -------------------------------------------------------------------------------------
+
+TEST(TenantTest, PoolsAreNamespacedByTenantAndInvisibleToOthers) {
+  PoolManager manager(PoolManagerOptions{"cpu", nullptr, {}, nullptr});
+  auto alice = std::make_shared<TenantAccount>("alice");
+  auto bob = std::make_shared<TenantAccount>("bob");
+  const PoolConfig config{"p", Layout::kV4, 16, 4, 1};
+  auto a = manager.Create(alice, config, "");
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(ReasonOf(manager.Get(*bob, "p").status()), ErrorReason::kPoolNotFound);
+  EXPECT_EQ(ReasonOf(manager.Delete(*bob, "p")), ErrorReason::kPoolNotFound);
+  EXPECT_TRUE(manager.Stats(*bob).pools.empty());
+  auto b = manager.Create(bob, config, "");  // the same name, another tenant
+  ASSERT_TRUE(b.ok());
+  EXPECT_NE((*a)->id(), (*b)->id());
+  EXPECT_EQ(*manager.Get(*alice, "p"), *a);
+  EXPECT_EQ(*manager.Get(*bob, "p"), *b);
+  ASSERT_EQ(manager.Stats(*alice).pools.size(), 1u);
+  EXPECT_EQ(manager.Stats(*alice).pools[0].tenant, "alice");
+  EXPECT_EQ(manager.Stats().pools.size(), 2u);
+  ASSERT_TRUE(manager.Delete(*bob, "p").ok());
+  EXPECT_TRUE(manager.Get(*alice, "p").ok());
+}
+
+TEST(TenantTest, QuotasRefuseWithoutAllocatingAndRecoverOnFree) {
+  PoolManager manager(PoolManagerOptions{"cpu", nullptr, {}, nullptr});
+  const int64_t pool_bytes = PoolGeometry{Layout::kV4, 16, 4}.pool_bytes();
+  TenantQuota quota;
+  quota[Resource::kPools] = 1;
+  quota[Resource::kPages] = 3;
+  quota[Resource::kDeviceBytes] = pool_bytes;
+  quota[Resource::kStagedWriteBytes] = 2 * kBf16RowBytes;
+  auto alice = std::make_shared<TenantAccount>("alice", quota);
+
+  PoolConfig big{"big", Layout::kV4, 16, 5, 1};
+  EXPECT_EQ(ReasonOf(manager.Create(alice, big, "").status()), ErrorReason::kQuotaExceeded);
+  EXPECT_EQ(alice->used(Resource::kPools), 0);
+  EXPECT_EQ(alice->used(Resource::kDeviceBytes), 0);
+  auto pool = *manager.Create(alice, PoolConfig{"p", Layout::kV4, 16, 4, 1}, "");
+  EXPECT_EQ(ReasonOf(manager.Create(alice, PoolConfig{"q", Layout::kV4, 16, 1, 1}, "").status()),
+            ErrorReason::kQuotaExceeded);
+  EXPECT_EQ(alice->used(Resource::kDeviceBytes), pool_bytes);
+
+  auto pages = *pool->AllocatePages(3);
+  EXPECT_EQ(ReasonOf(pool->AllocatePages(1).status()), ErrorReason::kQuotaExceeded);
+  EXPECT_EQ(pool->Stats().pages_used, 3);
+  ASSERT_TRUE(pool->FreePages({pages.data(), 1}).ok());
+  EXPECT_EQ(alice->used(Resource::kPages), 2);
+  ASSERT_TRUE(pool->AllocatePages(1).ok());
+
+  {
+    auto over = *StagedWrite::ForRows(pool, 0, WriteLimits{});
+    EXPECT_EQ(ReasonOf(over->AddRows(Where{{pages[1], 0}, {pages[1], 1}, {pages[1], 2}},
+                                     AsBytes(testing::RandomRows(3, 1)))),
+              ErrorReason::kQuotaExceeded);
+    over.reset();  // a failed write is dropped
+    auto write = *StagedWrite::ForRows(pool, 0, WriteLimits{});
+    ASSERT_TRUE(write->AddRows(Where{{pages[1], 0}, {pages[1], 1}},
+                               AsBytes(testing::RandomRows(2, 1))).ok());
+    EXPECT_EQ(alice->used(Resource::kStagedWriteBytes), 2 * kBf16RowBytes);
+  }
+  EXPECT_EQ(alice->used(Resource::kStagedWriteBytes), 0) << "a dropped write gives its staging back";
+
+  // Deleting the pool gives back everything once its last user lets go.
+  ASSERT_TRUE(manager.Delete(*alice, "p").ok());
+  EXPECT_EQ(alice->used(Resource::kPools), 1) << "still held here";
+  pool.reset();
+  EXPECT_EQ(alice->used(Resource::kPools), 0);
+  EXPECT_EQ(alice->used(Resource::kPages), 0);
+  EXPECT_EQ(alice->used(Resource::kDeviceBytes), 0);
+  EXPECT_TRUE(manager.Create(alice, PoolConfig{"q", Layout::kV4, 16, 4, 1}, "").ok());
+}
+
+TEST(TenantTest, ScopedChargeRefundsOnceAndNewLimitsApplyToLaterCharges) {
+  TenantQuota quota;
+  quota[Resource::kStreams] = 1;
+  auto t = std::make_shared<TenantAccount>("t", quota);
+  {
+    auto held = ScopedCharge::Take(t, Resource::kStreams, 1);
+    ASSERT_TRUE(held.ok());
+    EXPECT_EQ(ReasonOf(ScopedCharge::Take(t, Resource::kStreams, 1).status()),
+              ErrorReason::kQuotaExceeded);
+    ScopedCharge moved = std::move(*held);
+    EXPECT_EQ(t->used(Resource::kStreams), 1);
+  }
+  EXPECT_EQ(t->used(Resource::kStreams), 0);
+  quota[Resource::kStreams] = 2;
+  t->SetQuota(quota);
+  auto one = ScopedCharge::Take(t, Resource::kStreams, 1);
+  auto two = ScopedCharge::Take(t, Resource::kStreams, 1);
+  EXPECT_TRUE(one.ok() && two.ok());
+  // Unlimited resources never overflow.
+  EXPECT_TRUE(t->Charge(Resource::kPages, TenantQuota::kUnlimited).ok());
+  EXPECT_EQ(ReasonOf(t->Charge(Resource::kPages, 1)), ErrorReason::kQuotaExceeded);
 }
 
 }  // namespace

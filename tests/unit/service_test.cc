@@ -168,5 +168,62 @@ TEST_F(ServiceTest, ReadsArriveInChunksOfTheRequestedSizeWithOffsetsAndHashes) {
   EXPECT_EQ(chunks, 4 * 3);
 }
 
+// Refuses every caller, as the token authenticator does a caller without a valid token.
+class RefuseEveryone final : public Authenticator {
+ public:
+  absl::StatusOr<std::shared_ptr<TenantAccount>> Authenticate(
+      const grpc::ServerContext&) const override {
+    return Error(absl::StatusCode::kUnauthenticated, ErrorReason::kNotAuthenticated, "no token");
+  }
+};
+
+TEST(ServiceAuthTest, ARefusedCallerGetsUnauthenticatedAndReachesNothing) {
+  PoolManager pools(PoolManagerOptions{"cpu", nullptr, {}, nullptr});
+  RefuseEveryone refuse;
+  KvFerryService service(&pools, nullptr, ServiceOptions{}, &refuse);
+  grpc::ServerBuilder builder;
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  auto stub = v1::KvFerry::NewStub(server->InProcessChannel(grpc::ChannelArguments()));
+  auto expect_refused = [](const grpc::Status& s, const grpc::ClientContext& ctx) {
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+    const auto& t = ctx.GetServerTrailingMetadata();
+    auto it = t.find(kErrorReasonKey);
+    ASSERT_NE(it, t.end());
+    EXPECT_EQ(std::string(it->second.data(), it->second.size()), "NOT_AUTHENTICATED");
+  };
+  {
+    grpc::ClientContext ctx;
+    v1::CreatePoolRequest req;
+    req.set_name("p");
+    req.set_layout(v1::LAYOUT_V4);
+    req.set_page_size(16);
+    req.set_num_pages(4);
+    req.set_num_layers(1);
+    v1::Pool out;
+    const grpc::Status s = stub->CreatePool(&ctx, req, &out);
+    expect_refused(s, ctx);
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::Stats out;
+    const grpc::Status s = stub->GetStats(&ctx, v1::GetStatsRequest(), &out);
+    expect_refused(s, ctx);
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::WriteResponse out;
+    auto writer = stub->WriteTokens(&ctx, &out);
+    v1::WriteTokensRequest msg;
+    msg.set_pool("p");
+    writer->Write(msg);
+    writer->WritesDone();
+    const grpc::Status s = writer->Finish();
+    expect_refused(s, ctx);
+  }
+  EXPECT_TRUE(pools.List().empty());
+  server->Shutdown();
+}
+
 }  // namespace
 }  // namespace kvferry::server
