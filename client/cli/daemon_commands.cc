@@ -13,6 +13,7 @@
 #include <set>
 #include <sstream>
 
+#include <grpcpp/security/credentials.h>
 #include <unistd.h>
 
 #include "absl/strings/numbers.h"
@@ -31,7 +32,9 @@ using client::TokenLocation;
 using nlohmann::json;
 
 constexpr const char* kUsage = R"(Daemon commands (global options: --target HOST:PORT, default 127.0.0.1:50051;
---json for machine-readable output; --timeout SECONDS; --help after any command):
+--json for machine-readable output; --timeout SECONDS; --token-file FILE (its first line is
+sent as the bearer token); --tls-ca PEM (TLS, trusting this CA) with --tls-cert PEM and
+--tls-key PEM for a client certificate (mutual TLS); --help after any command):
   kvferry pool create NAME --layout v4|v41|v41_fp4 --page-size N --pages N [--layers N] [--device D]
   kvferry pool list | pool describe NAME | pool delete NAME
   kvferry pages alloc POOL COUNT --out PAGES.json
@@ -96,7 +99,9 @@ class Words {
   // The first option the command did not read, if any.
   std::optional<std::string> Unused() const {
     for (const auto& [name, value] : options_) {
-      if (!used_.contains(name) && name != "target" && name != "json" && name != "timeout") return name;
+      static const std::set<std::string> kGlobal = {"target", "json", "timeout", "token-file",
+                                                    "tls-ca", "tls-cert", "tls-key"};
+      if (!used_.contains(name) && !kGlobal.contains(name)) return name;
     }
     return std::nullopt;
   }
@@ -590,6 +595,34 @@ int RunDaemonCommand(const std::vector<std::string>& args, std::ostream& out, st
       return kExitUsage;
     }
     options.timeout = absl::Seconds(seconds);
+  }
+  // The whole contents of a small text file (certificates, the token).
+  auto slurp = [&](const std::string& flag, std::string* text) -> bool {
+    std::optional<std::string> path = words.Get(flag);
+    if (!path.has_value()) return true;
+    std::ifstream in(*path);
+    if (!in) {
+      err << "kvferry: cannot read --" << flag << " " << *path << "\n";
+      return false;
+    }
+    text->assign(std::istreambuf_iterator<char>(in), {});
+    return true;
+  };
+  std::string token, ca, cert, key;
+  if (!slurp("token-file", &token) || !slurp("tls-ca", &ca) || !slurp("tls-cert", &cert) ||
+      !slurp("tls-key", &key)) {
+    return kExitInvalidInput;
+  }
+  options.bearer_token = token.substr(0, token.find_first_of("\r\n"));
+  if (!ca.empty()) {
+    grpc::SslCredentialsOptions tls;
+    tls.pem_root_certs = ca;
+    tls.pem_cert_chain = cert;
+    tls.pem_private_key = key;
+    options.credentials = grpc::SslCredentials(tls);
+  } else if (!cert.empty() || !key.empty()) {
+    err << "kvferry: --tls-cert and --tls-key need --tls-ca\n";
+    return kExitUsage;
   }
   absl::StatusOr<std::unique_ptr<Client>> client = Client::Connect(options);
   if (!client.ok()) {

@@ -121,5 +121,32 @@ TEST_F(CliTest, BenchReportsThroughputAsJson) {
   EXPECT_EQ(Kvferry("pool list --json").out, "[]\n");  // its pool is gone
 }
 
+TEST(CliAuthTest, TheTokenFileAuthenticatesAndItsAbsenceIsAnError) {
+  char dir[] = "/tmp/kvferry-cli-auth-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string d = dir;
+  // sha256("cli-token-1") via the shell's sha256sum.
+  ASSERT_EQ(std::system(("printf 'ops %s\\n' $(printf cli-token-1 | sha256sum | cut -d' ' -f1) > " + d +
+                         "/tokens && printf 'cli-token-1\\n' > " + d + "/token").c_str()),
+            0);
+  testing::Daemon daemon({"--auth_tokens=" + d + "/tokens"});
+  const std::string base = std::string(KVFERRY_CLI) + " --target 127.0.0.1:" +
+                           std::to_string(daemon.grpc_port()) + " ";
+  auto run = [&](const std::string& args) {
+    const int status = std::system((base + args + " > " + d + "/out 2> " + d + "/err").c_str());
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  };
+  EXPECT_EQ(run("pool list"), 1);
+  std::ifstream err(d + "/err");
+  const std::string message(std::istreambuf_iterator<char>(err), {});
+  EXPECT_NE(message.find("NOT_AUTHENTICATED"), std::string::npos) << message;
+  EXPECT_EQ(run("pool create t --layout v4 --page-size 16 --pages 2 --device cpu --token-file " + d + "/token"), 0);
+  EXPECT_EQ(run("pool list --json --token-file " + d + "/token"), 0);
+  std::ifstream out(d + "/out");
+  EXPECT_EQ(json::parse(out).size(), 1u);
+  EXPECT_EQ(run("health"), 0);  // the health check needs no token
+  std::system(("rm -rf " + d).c_str());
+}
+
 }  // namespace
 }  // namespace kvferry

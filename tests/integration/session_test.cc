@@ -7,7 +7,9 @@
 #include <cstdio>
 
 #include "daemon_harness.h"
+#include "kvferry/client/client.h"
 #include "kvferry/client/session.h"
+#include "kvferry/v1/session.grpc.pb.h"
 
 namespace kvferry {
 namespace {
@@ -102,6 +104,44 @@ TEST(SessionPagesTest, PagesOfASessionAreFreedWhenItClosesOrItsWorkerIsKilled) {
   EXPECT_TRUE(d.Alive());
   // The freed pages come back zeroed and usable.
   EXPECT_EQ(testing::Allocate(d, "p", 62).size(), 62u);
+}
+
+TEST(SessionTenantTest, AnotherTenantsSessionIsNotFound) {
+  char dir[] = "/tmp/kvferry-session-auth-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string d = dir;
+  ASSERT_EQ(std::system(("for t in alice bob; do printf \"$t %s\\n\" $(printf \"$t-token\" | sha256sum | cut -d' ' -f1); done > " +
+                         d + "/tokens").c_str()),
+            0);
+  testing::Daemon daemon({"--auth_tokens=" + d + "/tokens"});
+  client::ClientOptions alice = Options(daemon), bob = Options(daemon);
+  alice.bearer_token = "alice-token";
+  bob.bearer_token = "bob-token";
+  ASSERT_TRUE((*client::Client::Connect(alice))->CreatePool({"a", client::Layout::kV4, 16, 8, 1, "cpu"}).ok());
+  auto session = Session::Open(alice, "alice-worker", 0);
+  ASSERT_TRUE(session.ok()) << session.status();
+  auto pages = (*session)->AllocatePages("a", 2);
+  ASSERT_TRUE(pages.ok()) << pages.status();
+  // Bob names alice's session: as absent as one nobody opened.
+  auto channel = grpc::CreateChannel(bob.target, grpc::InsecureChannelCredentials());
+  auto stub = v1::KvSession::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.AddMetadata("authorization", "Bearer bob-token");
+  v1::MapPoolRequest map;
+  map.set_session_id((*session)->id());
+  map.set_pool("a");
+  v1::MapPoolResponse mapped;
+  EXPECT_EQ(stub->MapPool(&ctx, map, &mapped).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(testing::ReasonOf(ctx), "SESSION_NOT_FOUND");
+  // Bob's own session cannot reach alice's pool either.
+  auto bobs = Session::Open(bob, "bob-worker", 0);
+  ASSERT_TRUE(bobs.ok());
+  EXPECT_EQ(client::ErrorReason((*bobs)->AllocatePages("a", 1).status()), "POOL_NOT_FOUND");
+  EXPECT_EQ(client::ErrorReason((*bobs)->MapPool("a").status()), "POOL_NOT_FOUND");
+  // Without a token there is no session at all.
+  EXPECT_EQ(Session::Open(Options(daemon), "nobody", 0).status().code(),
+            absl::StatusCode::kUnauthenticated);
+  std::system(("rm -rf " + d).c_str());
 }
 
 }  // namespace

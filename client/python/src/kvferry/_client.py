@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import enum
 import time
 import warnings
@@ -62,6 +63,39 @@ def _uint(value, what: str) -> int:
 def _handles(pages: Pages) -> list:
     return [pb.PageHandle(page_id=int(i), generation=int(g))
             for i, g in zip(pages.ids.tolist(), pages.generations.tolist())]
+
+
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds `authorization: Bearer <token>` to every call's metadata."""
+
+    def __init__(self, token: str):
+        self._header = ("authorization", f"Bearer {token}")
+
+    def _details(self, details):
+        metadata = list(details.metadata or []) + [self._header]
+        return details._replace(metadata=metadata) if hasattr(details, "_replace") else \
+            _CallDetails(details.method, details.timeout, metadata, details.credentials,
+                         getattr(details, "wait_for_ready", None),
+                         getattr(details, "compression", None))
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+
+class _CallDetails(collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready",
+                         "compression")), grpc.ClientCallDetails):
+    pass
 
 
 class _Assembler:
@@ -127,11 +161,18 @@ class Client:
       max_message_bytes: the largest message this channel sends or receives.
       channel: use this channel instead of making one for `target` (the Client then does
         not close it).
+      token: sent as `authorization: Bearer <token>` with every call (a daemon started
+        with --auth_tokens needs one).
+      root_certificates: PEM bytes of the CA that signed the daemon's certificate: the
+        channel uses TLS. With `private_key` and `certificate_chain` (PEM bytes) too, it
+        presents a client certificate (mutual TLS).
     """
 
     def __init__(self, target: str = "127.0.0.1:50051", *, timeout: float | None = 30.0,
                  chunk_bytes: int = 1 << 20, verify_checksums: bool | None = None,
-                 max_message_bytes: int = 64 << 20, channel: grpc.Channel | None = None):
+                 max_message_bytes: int = 64 << 20, channel: grpc.Channel | None = None,
+                 token: str | None = None, root_certificates: bytes | None = None,
+                 private_key: bytes | None = None, certificate_chain: bytes | None = None):
         if verify_checksums and _xxhash is None:
             raise Error(grpc.StatusCode.FAILED_PRECONDITION,
                         "verify_checksums=True needs the xxhash module (python3-xxhash)")
@@ -144,9 +185,18 @@ class Client:
         self.chunk_bytes = int(chunk_bytes)
         self.verify_checksums = _xxhash is not None if verify_checksums is None else verify_checksums
         self._owns_channel = channel is None
-        self._channel = channel or grpc.insecure_channel(target, options=[
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes)])
+        options = [("grpc.max_send_message_length", max_message_bytes),
+                   ("grpc.max_receive_message_length", max_message_bytes)]
+        if channel is None and root_certificates is not None:
+            credentials = grpc.ssl_channel_credentials(root_certificates, private_key,
+                                                       certificate_chain)
+            channel = grpc.secure_channel(target, credentials, options=options)
+        elif channel is None:
+            channel = grpc.insecure_channel(target, options=options)
+        self._raw_channel = channel
+        if token is not None:
+            channel = grpc.intercept_channel(channel, _BearerToken(token))
+        self._channel = channel
         # The generated stub, for anything the methods below do not wrap.
         self.stub = pb_grpc.KvFerryStub(self._channel)
         # The bulk RPCs move raw bytes, (de)serialized by _wire.
@@ -161,7 +211,7 @@ class Client:
     def close(self) -> None:
         """Closes the channel (unless it was given); calls in flight are cancelled."""
         if self._owns_channel:
-            self._channel.close()
+            self._raw_channel.close()
 
     def __enter__(self) -> "Client":
         return self
