@@ -42,6 +42,19 @@ absl::Status Reader::Start(int64_t index) {
   return absl::OkStatus();
 }
 
+absl::Status Reader::Submit(Slot& slot, std::span<const Op> ops, PageTable::Pin pin,
+                            int64_t bytes) {
+  absl::StatusOr<Completion> done = pool_->backend().Submit(ops);
+  if (!done.ok()) {
+    pool_->Unpin(pin);
+    return done.status();
+  }
+  slot.done = std::move(*done);
+  slot.pin = std::move(pin);
+  slot.bytes = bytes;
+  return absl::OkStatus();
+}
+
 absl::Status Reader::Finish(Slot& slot) {
   const absl::Status s = slot.done.Wait();
   pool_->ObserveOp(slot.op, Now() - slot.started);
@@ -158,15 +171,7 @@ class PageReader final : public Reader {
       result = dev + dev_converted;
     }
     ops.push_back(CopyOp{slot.host.get(), result, static_cast<size_t>(n * out_page_)});
-    absl::StatusOr<Completion> done = backend.Submit(ops);
-    if (!done.ok()) {
-      pool.Unpin(pin);
-      return done.status();
-    }
-    slot.done = std::move(*done);
-    slot.pin = std::move(pin);
-    slot.bytes = n * out_page_;
-    return absl::OkStatus();
+    return Submit(slot, ops, std::move(pin), n * out_page_);
   }
 
  private:
@@ -223,15 +228,7 @@ class WorkspaceReader final : public Reader {
     const Op ops[] = {CopyOp{slot.device.get() + locs_at, slot.host.get() + locs_at, locs_bytes},
                       gather,
                       CopyOp{slot.host.get(), slot.device.get(), static_cast<size_t>(n * kBf16RowBytes)}};
-    absl::StatusOr<Completion> done = backend.Submit(ops);
-    if (!done.ok()) {
-      pool.Unpin(pin);
-      return done.status();
-    }
-    slot.done = std::move(*done);
-    slot.pin = std::move(pin);
-    slot.bytes = n * kBf16RowBytes;
-    return absl::OkStatus();
+    return Submit(slot, ops, std::move(pin), n * kBf16RowBytes);
   }
 
  private:

@@ -47,8 +47,11 @@ class Reader {
   };
   Reader(std::shared_ptr<Pool> pool, int64_t num_batches, int64_t total_bytes)
       : pool_(std::move(pool)), num_batches_(num_batches), total_bytes_(total_bytes) {}
-  // Pins batch `index`'s pages and submits its device work into `slot`.
+  // Pins batch `index`'s pages and submits its device work into `slot` (through Submit).
   virtual absl::Status Launch(int64_t index, Slot& slot) = 0;
+  // Submits a batch's `ops` under `pin`: on success the slot owns the pin and the
+  // completion of `bytes` of output; on failure the pin is released.
+  absl::Status Submit(Slot& slot, std::span<const Op> ops, PageTable::Pin pin, int64_t bytes);
   virtual const char* op_name() const = 0;
 
   const std::shared_ptr<Pool> pool_;

@@ -25,6 +25,45 @@ absl::Status Invalid(ErrorReason reason, std::string message) {
   return Error(absl::StatusCode::kInvalidArgument, reason, message);
 }
 
+// Whole blocks and whole pages, pairwise (a block is a page's worth of tokens): checked
+// (counts, bounds, handles; pages unique for a save, blocks unique for a load) and returned
+// as block ids and page ids.
+absl::Status PagePairs(const TransferRequest& r, const KvTensorSpec& spec, Pool& pool,
+                       bool save, std::vector<int64_t>* blocks, std::vector<int64_t>* page_ids) {
+  if (r.tensor_blocks.size() != r.pages.size() || r.pages.empty()) {
+    return Invalid(ErrorReason::kInvalidRequest,
+                   absl::StrCat(r.tensor_blocks.size(), " blocks and ", r.pages.size(),
+                                " pages: give one of each per page, at least one"));
+  }
+  const int page_size = pool.config().page_size;
+  if (static_cast<int>(spec.block_tokens) != page_size) {
+    return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kLayoutMismatch,
+                 absl::StrCat("tensor blocks of ", spec.block_tokens, " tokens, pool pages of ",
+                              page_size));
+  }
+  const size_t n = r.pages.size();
+  blocks->resize(n);
+  page_ids->resize(n);
+  absl::flat_hash_set<uint64_t> seen;
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t block = r.tensor_blocks[i];
+    if (block >= spec.num_blocks) {
+      return Invalid(ErrorReason::kBlockOutOfRange,
+                     absl::StrCat("block ", block, " is outside ", spec.num_blocks, " blocks"));
+    }
+    KVF_RETURN_IF_ERROR(pool.table().CheckHandle(r.pages[i]));
+    // A save writes each page once; a load writes each block once.
+    const uint64_t written = save ? r.pages[i].page_id : block;
+    if (!seen.insert(written).second) {
+      return Invalid(ErrorReason::kDuplicatePage,
+                     absl::StrCat(save ? "page " : "block ", written, " is listed twice"));
+    }
+    (*blocks)[i] = static_cast<int64_t>(block);
+    (*page_ids)[i] = static_cast<int64_t>(r.pages[i].page_id);
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 struct SessionManager::Tensor {
@@ -346,36 +385,7 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
     std::vector<int64_t> page_blocks, page_ids;
     if (page_form) {
       // Whole blocks to whole pages: block i's tokens are page i's slots.
-      if (r.tensor_blocks.size() != r.pages.size() || r.pages.empty()) {
-        return Invalid(ErrorReason::kInvalidRequest,
-                       absl::StrCat(r.tensor_blocks.size(), " blocks and ", r.pages.size(),
-                                    " pages: give one of each per page, at least one"));
-      }
-      if (static_cast<int>(spec.block_tokens) != page_size) {
-        return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kLayoutMismatch,
-                     absl::StrCat("whole blocks of ", spec.block_tokens,
-                                  " tokens cannot fill pages of ", page_size));
-      }
-      const int64_t n = static_cast<int64_t>(r.pages.size());
-      page_blocks.resize(n);
-      page_ids.resize(n);
-      absl::flat_hash_set<uint64_t> seen_pages, seen_blocks;
-      for (int64_t i = 0; i < n; ++i) {
-        const uint64_t block = r.tensor_blocks[i];
-        if (block >= spec.num_blocks) {
-          return Invalid(ErrorReason::kBlockOutOfRange,
-                         absl::StrCat("block ", block, " is outside ", spec.num_blocks, " blocks"));
-        }
-        KVF_RETURN_IF_ERROR(pool->table().CheckHandle(r.pages[i]));
-        if (!seen_pages.insert(r.pages[i].page_id).second && save) {
-          return Invalid(ErrorReason::kDuplicatePage, absl::StrCat("page ", r.pages[i].page_id, " is listed twice"));
-        }
-        if (!seen_blocks.insert(block).second && !save) {
-          return Invalid(ErrorReason::kDuplicatePage, absl::StrCat("block ", block, " is listed twice"));
-        }
-        page_blocks[i] = static_cast<int64_t>(block);
-        page_ids[i] = static_cast<int64_t>(r.pages[i].page_id);
-      }
+      KVF_RETURN_IF_ERROR(PagePairs(r, spec, *pool, save, &page_blocks, &page_ids));
       handles.assign(r.pages.begin(), r.pages.end());
     } else {
     if (r.blocks.size() != r.locations.size() || r.blocks.empty()) {
@@ -522,40 +532,17 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
       };
     }
   } else {
-    if (r.tensor_blocks.size() != r.pages.size() || r.pages.empty()) {
-      return Invalid(ErrorReason::kInvalidRequest,
-                     absl::StrCat(r.tensor_blocks.size(), " blocks and ", r.pages.size(),
-                                  " pages: give one of each per page, at least one"));
-    }
-    if (static_cast<int>(spec.block_tokens) != page_size) {
-      return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kLayoutMismatch,
-                   absl::StrCat("tensor blocks of ", spec.block_tokens, " tokens, pool pages of ", page_size));
-    }
     const bool transcode = spec.layout != g.layout;
     if (save && transcode) {
       return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kLayoutMismatch,
                    absl::StrCat("records in ", LayoutName(spec.layout), " cannot be saved into a ",
                                 LayoutName(g.layout), " pool"));
     }
-    const int64_t n = static_cast<int64_t>(r.pages.size());
-    std::vector<int64_t> blocks(n), flat(n), page_ids(n);
-    absl::flat_hash_set<uint64_t> seen_blocks, seen_pages;
-    for (int64_t i = 0; i < n; ++i) {
-      if (r.tensor_blocks[i] >= spec.num_blocks) {
-        return Invalid(ErrorReason::kBlockOutOfRange,
-                       absl::StrCat("block ", r.tensor_blocks[i], " is outside ", spec.num_blocks, " blocks"));
-      }
-      if (!seen_blocks.insert(r.tensor_blocks[i]).second && !save) {
-        return Invalid(ErrorReason::kDuplicatePage, absl::StrCat("block ", r.tensor_blocks[i], " is listed twice"));
-      }
-      KVF_RETURN_IF_ERROR(pool->table().CheckHandle(r.pages[i]));
-      if (!seen_pages.insert(r.pages[i].page_id).second && save) {
-        return Invalid(ErrorReason::kDuplicatePage, absl::StrCat("page ", r.pages[i].page_id, " is listed twice"));
-      }
-      blocks[i] = static_cast<int64_t>(r.tensor_blocks[i]);
-      page_ids[i] = static_cast<int64_t>(r.pages[i].page_id);
-      flat[i] = r.layer * g.num_pages + page_ids[i];
-    }
+    std::vector<int64_t> blocks, page_ids;
+    KVF_RETURN_IF_ERROR(PagePairs(r, spec, *pool, save, &blocks, &page_ids));
+    const int64_t n = static_cast<int64_t>(page_ids.size());
+    std::vector<int64_t> flat(n);
+    for (int64_t i = 0; i < n; ++i) flat[i] = r.layer * g.num_pages + page_ids[i];
     KVF_ASSIGN_OR_RETURN(pin, pool->table().PinPages(r.pages, /*exclusive=*/save));
     tokens = n * page_size;
     bytes_moved = 2 * n * g.page_bytes();

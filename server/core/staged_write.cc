@@ -178,19 +178,26 @@ absl::StatusOr<int64_t> StagedWrite::Commit() {
   return rows_ ? CommitRows() : CommitPages();
 }
 
+absl::StatusOr<Buffer> StagedWrite::StageOnDevice(std::span<const int64_t> indices,
+                                                  int64_t* indices_at) {
+  Backend& backend = pool_->backend();
+  *indices_at = AlignUp(arena_.size(), 256);
+  const size_t index_bytes = indices.size() * sizeof(int64_t);
+  KVF_ASSIGN_OR_RETURN(Buffer staging,
+                       backend.Allocate(*indices_at + index_bytes, MemoryKind::kDevice, false));
+  std::vector<Op> copies;
+  arena_.CopyOps(staging.get(), copies);
+  copies.push_back(CopyOp{staging.get() + *indices_at, indices.data(), index_bytes});
+  KVF_RETURN_IF_ERROR(backend.Run(copies));
+  return staging;
+}
+
 absl::StatusOr<int64_t> StagedWrite::CommitRows() {
   const int64_t n = static_cast<int64_t>(tokens_.size());
   if (n == 0) return 0;
-  Backend& backend = pool_->backend();
-  // Device staging: [rows | token indices], filled before any page is pinned.
-  const int64_t locs_at = AlignUp(arena_.size(), 256);
-  const size_t locs_bytes = static_cast<size_t>(n) * sizeof(int64_t);
-  KVF_ASSIGN_OR_RETURN(Buffer staging,
-                       backend.Allocate(locs_at + locs_bytes, MemoryKind::kDevice, false));
-  std::vector<Op> copies;
-  arena_.CopyOps(staging.get(), copies);
-  copies.push_back(CopyOp{staging.get() + locs_at, tokens_.data(), locs_bytes});
-  KVF_RETURN_IF_ERROR(backend.Run(copies));
+  // Device staging: [rows | token indices].
+  int64_t locs_at = 0;
+  KVF_ASSIGN_OR_RETURN(Buffer staging, StageOnDevice(tokens_, &locs_at));
 
   std::vector<PageHandle> handles;
   for (const auto& [page, generation] : generations_) handles.push_back({page, generation});
@@ -221,7 +228,6 @@ absl::StatusOr<int64_t> StagedWrite::CommitPages() {
   }
   const int64_t n = static_cast<int64_t>(pages_.size());
   if (n == 0) return 0;
-  Backend& backend = pool_->backend();
   const int64_t num_pages = pool_->config().num_pages;
   std::vector<int64_t> flat_ids(n), page_ids(n);
   std::vector<int> layers(n);
@@ -230,14 +236,9 @@ absl::StatusOr<int64_t> StagedWrite::CommitPages() {
     layers[i] = pages_[i].layer;
     flat_ids[i] = layers[i] * num_pages + page_ids[i];
   }
-  const int64_t ids_at = AlignUp(arena_.size(), 256);
-  const size_t ids_bytes = static_cast<size_t>(n) * sizeof(int64_t);
-  KVF_ASSIGN_OR_RETURN(Buffer staging,
-                       backend.Allocate(ids_at + ids_bytes, MemoryKind::kDevice, false));
-  std::vector<Op> copies;
-  arena_.CopyOps(staging.get(), copies);
-  copies.push_back(CopyOp{staging.get() + ids_at, flat_ids.data(), ids_bytes});
-  KVF_RETURN_IF_ERROR(backend.Run(copies));
+  // Device staging: [page bytes | flat page ids].
+  int64_t ids_at = 0;
+  KVF_ASSIGN_OR_RETURN(Buffer staging, StageOnDevice(flat_ids, &ids_at));
 
   std::vector<PageHandle> handles;
   for (const StagedPage& s : pages_) handles.push_back(s.handle);

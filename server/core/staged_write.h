@@ -85,6 +85,9 @@ class StagedWrite {
         arena_(&pool_->backend(), pool_->owner().get()) {}
   absl::Status CheckGeneration(const PageHandle& page);
   absl::Status CountMessage(bool empty);
+  // Device staging holding the arena, then `indices` at *indices_at; copied before any
+  // page is pinned.
+  absl::StatusOr<Buffer> StageOnDevice(std::span<const int64_t> indices, int64_t* indices_at);
   absl::StatusOr<int64_t> CommitRows();
   absl::StatusOr<int64_t> CommitPages();
 

@@ -92,47 +92,68 @@ struct Client::Impl {
       grpc::ClientContext ctx;
       Prepare(ctx, call);
       auto reader = stub->ReadPages(&ctx, req);
-      v1::PageChunk chunk;
-      std::span<uint8_t> out;
-      uint64_t received = 0;
-      bool placed = false;
-      absl::Status local;
-      while (local.ok() && reader->Read(&chunk)) {
-        if (!placed) {
-          *page_bytes = chunk.page_bytes();
-          absl::StatusOr<std::span<uint8_t>> where = place(chunk.page_bytes());
-          if (!where.ok()) {
-            local = where.status();
-            break;
-          }
-          out = *where;
-          placed = true;
-        }
-        local = CheckChunk(chunk.offset(), chunk.data(), chunk.xxh64(), received, out.size());
-        if (local.ok()) {
-          std::memcpy(out.data() + received, chunk.data().data(), chunk.data().size());
-          received += chunk.data().size();
-        }
-      }
-      if (!local.ok()) {
-        ctx.TryCancel();
-        while (reader->Read(&chunk)) {
-        }
-        reader->Finish().IgnoreError();
-        return local;
-      }
-      KVF_CLIENT_RETURN(FromGrpc(reader->Finish(), ctx));
-      if (!placed) {
-        absl::StatusOr<std::span<uint8_t>> where = place(0);
-        if (!where.ok()) return where.status();
-        out = *where;
-      }
-      if (received != out.size()) {
-        return absl::DataLossError(absl::StrCat("read ended after ", received, " of ", out.size(),
-                                                " bytes"));
-      }
-      return absl::OkStatus();
+      return Drain<v1::PageChunk>(
+          ctx, *reader,
+          [&](const v1::PageChunk& first) -> absl::StatusOr<std::span<uint8_t>> {
+            *page_bytes = first.page_bytes();
+            return place(first.page_bytes());
+          },
+          [&]() { return place(0); },
+          [](const v1::PageChunk& c) { return c.offset(); },
+          [](const v1::PageChunk& c) -> const std::string& { return c.data(); });
     });
+  }
+
+  // Reads a chunked stream into one buffer: `place(first)` says where, from the first chunk
+  // (`place_empty()` when there is none). Checks every chunk's offset, hash and fit, and
+  // the total; on a bad chunk cancels the call.
+  template <typename Chunk, typename Reader>
+  static absl::Status Drain(
+      grpc::ClientContext& ctx, Reader& reader,
+      const std::function<absl::StatusOr<std::span<uint8_t>>(const Chunk&)>& place,
+      const std::function<absl::StatusOr<std::span<uint8_t>>()>& place_empty,
+      const std::function<uint64_t(const Chunk&)>& offset_of,
+      const std::function<const std::string&(const Chunk&)>& data_of) {
+    Chunk chunk;
+    std::span<uint8_t> out;
+    uint64_t received = 0;
+    bool placed = false;
+    absl::Status local;
+    while (local.ok() && reader.Read(&chunk)) {
+      if (!placed) {
+        absl::StatusOr<std::span<uint8_t>> where = place(chunk);
+        if (!where.ok()) {
+          local = where.status();
+          break;
+        }
+        out = *where;
+        placed = true;
+      }
+      const std::string& data = data_of(chunk);
+      local = CheckChunk(offset_of(chunk), data, chunk.xxh64(), received, out.size());
+      if (local.ok()) {
+        std::memcpy(out.data() + received, data.data(), data.size());
+        received += data.size();
+      }
+    }
+    if (!local.ok()) {
+      ctx.TryCancel();
+      while (reader.Read(&chunk)) {
+      }
+      reader.Finish().IgnoreError();
+      return local;
+    }
+    KVF_CLIENT_RETURN(FromGrpc(reader.Finish(), ctx));
+    if (!placed) {
+      absl::StatusOr<std::span<uint8_t>> where = place_empty();
+      if (!where.ok()) return where.status();
+      out = *where;
+    }
+    if (received != out.size()) {
+      return absl::DataLossError(absl::StrCat("read ended after ", received, " of ", out.size(),
+                                              " bytes"));
+    }
+    return absl::OkStatus();
   }
 
   static absl::Status CheckChunk(uint64_t offset, const std::string& data, uint64_t hash,
@@ -379,30 +400,11 @@ absl::Status Client::ReadWorkspaceInto(const std::string& pool, uint32_t layer,
     grpc::ClientContext ctx;
     impl_->Prepare(ctx, call);
     auto reader = impl_->stub->ReadWorkspace(&ctx, req);
-    v1::WorkspaceChunk chunk;
-    uint64_t received = 0;
-    absl::Status local;
-    while (local.ok() && reader->Read(&chunk)) {
-      local = Impl::CheckChunk(chunk.first_row() * kRowBytes, chunk.rows(), chunk.xxh64(),
-                               received, bytes.size());
-      if (local.ok()) {
-        std::memcpy(bytes.data() + received, chunk.rows().data(), chunk.rows().size());
-        received += chunk.rows().size();
-      }
-    }
-    if (!local.ok()) {
-      ctx.TryCancel();
-      while (reader->Read(&chunk)) {
-      }
-      reader->Finish().IgnoreError();
-      return local;
-    }
-    KVF_CLIENT_RETURN(FromGrpc(reader->Finish(), ctx));
-    if (received != bytes.size()) {
-      return absl::DataLossError(absl::StrCat("workspace ended after ", received, " of ",
-                                              bytes.size(), " bytes"));
-    }
-    return absl::OkStatus();
+    auto whole = [&]() -> absl::StatusOr<std::span<uint8_t>> { return bytes; };
+    return Impl::Drain<v1::WorkspaceChunk>(
+        ctx, *reader, [&](const v1::WorkspaceChunk&) { return whole(); }, whole,
+        [](const v1::WorkspaceChunk& c) { return c.first_row() * kRowBytes; },
+        [](const v1::WorkspaceChunk& c) -> const std::string& { return c.rows(); });
   });
 }
 
