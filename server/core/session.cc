@@ -25,6 +25,11 @@ absl::Status Invalid(ErrorReason reason, std::string message) {
   return Error(absl::StatusCode::kInvalidArgument, reason, message);
 }
 
+absl::Status ClosedError(uint64_t id) {
+  return Error(absl::StatusCode::kNotFound, ErrorReason::kSessionNotFound,
+               absl::StrCat("session ", id, " has ended"));
+}
+
 // Whole blocks and whole pages, pairwise (a block is a page's worth of tokens): checked
 // (counts, bounds, handles; pages unique for a save, blocks unique for a load) and returned
 // as block ids and page ids.
@@ -210,11 +215,9 @@ void SessionManager::Close(uint64_t session_id) {
   for (auto& [weak, handles] : pages) {
     std::shared_ptr<Pool> pool = weak.lock();
     if (pool == nullptr) continue;
-    std::vector<PageHandle> live;
-    for (const PageHandle& h : handles) {
-      if (pool->table().CheckHandle(h).ok()) live.push_back(h);
-    }
-    pool->FreePages(live).IgnoreError();
+    // One at a time: a page the worker freed itself (now or earlier) is stale and skipped
+    // without keeping the others.
+    for (const PageHandle& h : handles) pool->FreePages({&h, 1}).IgnoreError();
   }
 }
 
@@ -284,17 +287,25 @@ absl::StatusOr<std::vector<uint64_t>> SessionManager::Register(
     tensor->spec = spec;
     tensor->backend = backend;
     KVF_ASSIGN_OR_RETURN(tensor->memory, backend->ImportIpc(spec.ipc_handle));
-    // A geometry past the allocation would let a kernel fault and take the device down for
-    // every client: refused here.
-    if (spec.offset + tensor->bytes() > tensor->memory->bytes()) {
+    // A geometry past the allocation would let a kernel read or write other memory of the
+    // device (another tenant's pools) or fault and take the device down for every client:
+    // refused here, computed without wrapping.
+    unsigned __int128 extent = spec.kind == RowKind::kRecords
+                                   ? static_cast<unsigned __int128>(spec.num_blocks) * spec.block_stride
+                                   : static_cast<unsigned __int128>(spec.num_blocks - 1) * spec.block_stride +
+                                         static_cast<unsigned __int128>(spec.block_tokens - 1) * spec.token_stride +
+                                         kBf16RowBytes;
+    extent += spec.offset;
+    if (extent > tensor->memory->bytes()) {
       return Invalid(ErrorReason::kTensorOutOfBounds,
-                     absl::StrCat("tensor '", name, "' ends at byte ", spec.offset + tensor->bytes(),
-                                  " of an allocation of ", tensor->memory->bytes()));
+                     absl::StrCat("tensor '", name, "' ends past its allocation of ",
+                                  tensor->memory->bytes(), " bytes"));
     }
     made.push_back(std::move(tensor));
   }
   std::vector<uint64_t> ids;
   absl::MutexLock lock(&session->mu);
+  if (session->closed) return ClosedError(session_id);
   for (auto& t : made) {
     uint64_t id;
     {
@@ -655,6 +666,7 @@ absl::StatusOr<PoolExport> SessionManager::MapPool(uint64_t session_id, const Te
     out.export_id = next_export_++;
   }
   absl::MutexLock lock(&session->mu);
+  if (session->closed) return ClosedError(session_id);
   session->exports[out.export_id] = Session::Export{std::move(pool)};
   return out;
 }
@@ -675,6 +687,8 @@ absl::Status SessionManager::AdoptPages(uint64_t session_id, const TenantAccount
                                         std::span<const PageHandle> pages) {
   KVF_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(session_id, &caller));
   absl::MutexLock lock(&session->mu);
+  // Closing already took the session's pages: the caller frees these.
+  if (session->closed) return ClosedError(session_id);
   session->pages.emplace_back(pool, std::vector<PageHandle>(pages.begin(), pages.end()));
   return absl::OkStatus();
 }

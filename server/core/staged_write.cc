@@ -153,8 +153,12 @@ absl::Status StagedWrite::AddPageBytes(const PageHandle& page, int64_t layer, ui
                    absl::StrCat("write of more than ", limits_.max_bytes,
                                 " bytes; split it into several writes"));
     }
-    KVF_ASSIGN_OR_RETURN(const int64_t at, arena_.Reserve(static_cast<int64_t>(page_bytes)));
-    pages_.push_back(StagedPage{page, static_cast<int>(layer), at, 0});
+    absl::StatusOr<int64_t> at = arena_.Reserve(static_cast<int64_t>(page_bytes));
+    if (!at.ok()) {
+      page_index_.erase(it);
+      return at.status();
+    }
+    pages_.push_back(StagedPage{page, static_cast<int>(layer), *at, 0});
   }
   StagedPage& staged = pages_[it->second];
   if (offset != staged.received) {

@@ -321,6 +321,16 @@ TEST_F(IpcTest, InvalidSavesAndLoadsChangeNothing) {
   KvTensor big{.num_blocks = 1000, .block_tokens = ps, .block_stride = ps * 1024, .token_stride = 1024};
   ASSERT_TRUE(client::DescribeDevicePointer(cache.ptr, big).ok());
   EXPECT_EQ(client::ErrorReason(session_->RegisterKv(big).status()), "TENSOR_OUT_OF_BOUNDS");
+  // Geometries whose byte count wraps around 2^64 are refused too, not let through small.
+  KvTensor wraps{.num_blocks = (uint64_t{1} << 32) + 1, .block_tokens = ps,
+                 .block_stride = uint64_t{1} << 32, .token_stride = 1024};
+  ASSERT_TRUE(client::DescribeDevicePointer(cache.ptr, wraps).ok());
+  EXPECT_EQ(client::ErrorReason(session_->RegisterKv(wraps).status()), "TENSOR_OUT_OF_BOUNDS");
+  KvTensor before_base{.num_blocks = 1, .block_tokens = ps, .block_stride = ps * 1024,
+                       .token_stride = 1024};
+  ASSERT_TRUE(client::DescribeDevicePointer(cache.ptr, before_base).ok());
+  before_base.offset = ~uint64_t{0} - 4095;  // "- 4096 bytes" once the sum wraps
+  EXPECT_EQ(client::ErrorReason(session_->RegisterKv(before_base).status()), "TENSOR_OUT_OF_BOUNDS");
   EXPECT_EQ(*client_->ReadPages("bad", kept), kept_before);
   EXPECT_TRUE(client_->Health().ok());
 }
