@@ -10,7 +10,7 @@ packages=(
   libabsl-dev libucx-dev ucx-utils libspdlog-dev libfmt-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   libcpp-httplib-dev libxxhash-dev nlohmann-json3-dev libhwy-dev libssl-dev openssl
-  prometheus curl python3
+  prometheus curl python3 procps
   python3-grpcio python3-protobuf python3-numpy python3-pytest python3-xxhash
   python3-pip python3-venv python3-setuptools python3-wheel
 )
