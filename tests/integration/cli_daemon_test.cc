@@ -7,6 +7,7 @@
 
 #include "common/golden.h"
 #include "daemon_harness.h"
+#include "test_certs.h"
 
 namespace kvferry {
 namespace {
@@ -145,6 +146,37 @@ TEST(CliAuthTest, TheTokenFileAuthenticatesAndItsAbsenceIsAnError) {
   std::ifstream out(d + "/out");
   EXPECT_EQ(json::parse(out).size(), 1u);
   EXPECT_EQ(run("health"), 0);  // the health check needs no token
+  std::system(("rm -rf " + d).c_str());
+}
+
+TEST(CliTlsTest, MutualTlsServesTheClientWithItsCertificateOnly) {
+  char dir[] = "/tmp/kvferry-cli-tls-XXXXXX";
+  ASSERT_NE(mkdtemp(dir), nullptr);
+  const std::string d = dir;
+  const testing::KeyAndCert ca = testing::MakeCert({"cli test CA", true});
+  const testing::KeyAndCert server = testing::MakeCert({"kvferryd", false, "DNS:localhost,IP:127.0.0.1"}, &ca);
+  const testing::KeyAndCert client = testing::MakeCert({"worker", false}, &ca);
+  testing::WriteFile(d + "/ca.pem", ca.CertPem());
+  testing::WriteFile(d + "/server.pem", server.CertPem());
+  testing::WriteFile(d + "/server.key", server.KeyPem());
+  testing::WriteFile(d + "/client.pem", client.CertPem());
+  testing::WriteFile(d + "/client.key", client.KeyPem());
+  testing::Daemon daemon({"--tls_cert=" + d + "/server.pem", "--tls_key=" + d + "/server.key",
+                          "--tls_client_ca=" + d + "/ca.pem"});
+  const std::string base = std::string(KVFERRY_CLI) + " --timeout 5 --target 127.0.0.1:" +
+                           std::to_string(daemon.grpc_port()) + " ";
+  auto run = [&](const std::string& args) {
+    const int status = std::system((base + args + " > /dev/null 2>&1").c_str());
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  };
+  const std::string mutual = "--tls-ca " + d + "/ca.pem --tls-cert " + d + "/client.pem --tls-key " +
+                             d + "/client.key";
+  EXPECT_EQ(run("health " + mutual), 0);
+  EXPECT_EQ(run("pool create t --layout v41 --page-size 16 --pages 2 --device cpu " + mutual), 0);
+  EXPECT_EQ(run("pool describe t " + mutual), 0);
+  EXPECT_EQ(run("pool list --tls-ca " + d + "/ca.pem"), 1);  // no client certificate
+  EXPECT_EQ(run("pool list"), 1);                             // plaintext
+  EXPECT_EQ(run("pool list --tls-cert " + d + "/client.pem"), 2);  // a certificate needs the CA
   std::system(("rm -rf " + d).c_str());
 }
 
