@@ -239,6 +239,24 @@ inline std::vector<v1::PageHandle> Allocate(Daemon& d, const std::string& pool, 
   return {resp.pages().begin(), resp.pages().end()};
 }
 
+inline grpc::Status FreePages(Daemon& d, const std::string& pool,
+                              const std::vector<v1::PageHandle>& pages) {
+  grpc::ClientContext ctx;
+  v1::FreePagesRequest req;
+  req.set_pool(pool);
+  for (const auto& p : pages) *req.add_pages() = p;
+  v1::FreePagesResponse resp;
+  return d.stub().FreePages(&ctx, req, &resp);
+}
+
+inline grpc::Status DeletePool(Daemon& d, const std::string& name) {
+  grpc::ClientContext ctx;
+  v1::DeletePoolRequest req;
+  req.set_name(name);
+  v1::DeletePoolResponse resp;
+  return d.stub().DeletePool(&ctx, req, &resp);
+}
+
 // One WriteTokens call: rows [n, 512] bf16 for locations, split into messages of `per`.
 inline grpc::Status WriteTokens(Daemon& d, const std::string& pool, int layer,
                                 const std::vector<v1::TokenLocation>& locs,

@@ -186,14 +186,7 @@ TEST_F(DaemonInvalidTest, UnknownPoolIsNotFound) {
 
 TEST_F(DaemonInvalidTest, StaleHandleIsFailedPrecondition) {
   // Free page 3 (unwritten) and use its old handle for a write and a read.
-  {
-    grpc::ClientContext ctx;
-    v1::FreePagesRequest req;
-    req.set_pool("p");
-    *req.add_pages() = pages_[3];
-    v1::FreePagesResponse resp;
-    ASSERT_TRUE(d_.stub().FreePages(&ctx, req, &resp).ok());
-  }
+  ASSERT_TRUE(testing::FreePages(d_, "p", {pages_[3]}).ok());
   const grpc::Status s = Write({Location(pages_[3], 0)}, testing::RandomRows(1, 7));
   EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_NE(s.error_message().find("stale page handle"), std::string::npos) << s.error_message();

@@ -146,14 +146,7 @@ TEST(FreedPageTest, ReallocatedPageReadsZeroInEveryLayerAndInEveryRead) {
   std::string before;
   ASSERT_TRUE(testing::ReadPages(d, "z", pages, &before).ok());
   ASSERT_NE(before, std::string(before.size(), '\0'));
-  {
-    grpc::ClientContext ctx;
-    v1::FreePagesRequest req;
-    req.set_pool("z");
-    *req.add_pages() = pages[0];
-    v1::FreePagesResponse resp;
-    ASSERT_TRUE(d.stub().FreePages(&ctx, req, &resp).ok());
-  }
+  ASSERT_TRUE(testing::FreePages(d, "z", {pages[0]}).ok());
   const auto again = testing::Allocate(d, "z", 1);
   ASSERT_EQ(again.size(), 1u);
   ASSERT_EQ(again[0].page_id(), pages[0].page_id());
@@ -192,14 +185,7 @@ TEST(StaleWriteTest, WriteNamingAPageAtTwoGenerationsFailsWholeAndChangesNothing
   msg.set_rows(reinterpret_cast<const char*>(rows.data()), 1024);
   ASSERT_TRUE(writer->Write(msg));
   // Meanwhile the page is freed and handed to someone else.
-  {
-    grpc::ClientContext c;
-    v1::FreePagesRequest req;
-    req.set_pool("g");
-    *req.add_pages() = first[0];
-    v1::FreePagesResponse r;
-    ASSERT_TRUE(d.stub().FreePages(&c, req, &r).ok());
-  }
+  ASSERT_TRUE(testing::FreePages(d, "g", {first[0]}).ok());
   const auto second = testing::Allocate(d, "g", 1);
   ASSERT_EQ(second[0].page_id(), first[0].page_id());
   v1::WriteTokensRequest msg2;
@@ -224,13 +210,7 @@ TEST(PoolIncarnationTest, HandlesOfADeletedPoolAreRefusedByItsSuccessor) {
   Daemon d;
   const v1::Pool p1 = testing::CreatePool(d, "r", Layout::kV4, 16, 4);
   const auto old_pages = testing::Allocate(d, "r", 1);
-  {
-    grpc::ClientContext ctx;
-    v1::DeletePoolRequest req;
-    req.set_name("r");
-    v1::DeletePoolResponse resp;
-    ASSERT_TRUE(d.stub().DeletePool(&ctx, req, &resp).ok());
-  }
+  ASSERT_TRUE(testing::DeletePool(d, "r").ok());
   const v1::Pool p2 = testing::CreatePool(d, "r", Layout::kV4, 16, 4);
   EXPECT_NE(p1.pool_id(), p2.pool_id());
   const auto new_pages = testing::Allocate(d, "r", 1);
@@ -381,13 +361,7 @@ TEST(DeleteDuringWriteTest, WriteInFlightWhenItsPoolIsDeletedFailsAndStoresNothi
     *m.add_locations() = Location(pages[0], 0);
     m.set_rows(reinterpret_cast<const char*>(rows.data()), 1024);
     ASSERT_TRUE(writer->Write(m));
-    {
-      grpc::ClientContext c;
-      v1::DeletePoolRequest req;
-      req.set_name("w");
-      v1::DeletePoolResponse r;
-      ASSERT_TRUE(d.stub().DeletePool(&c, req, &r).ok());
-    }
+    ASSERT_TRUE(testing::DeletePool(d, "w").ok());
     if (recreate) testing::CreatePool(d, "w", Layout::kV41, 16, 2);
     v1::WriteTokensRequest m2;
     *m2.add_locations() = Location(pages[0], 1);
@@ -403,11 +377,7 @@ TEST(DeleteDuringWriteTest, WriteInFlightWhenItsPoolIsDeletedFailsAndStoresNothi
     EXPECT_EQ(resp.tokens_written(), 0u);
     if (recreate) {
       EXPECT_EQ(testing::GetStats(d).tokens_held(), 0u);
-      grpc::ClientContext c;
-      v1::DeletePoolRequest req;
-      req.set_name("w");
-      v1::DeletePoolResponse r;
-      ASSERT_TRUE(d.stub().DeletePool(&c, req, &r).ok());
+      ASSERT_TRUE(testing::DeletePool(d, "w").ok());
     }
   }
 }
