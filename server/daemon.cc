@@ -6,7 +6,10 @@
 #include <grpcpp/impl/server_builder_option.h>
 #include <grpcpp/impl/server_builder_plugin.h>
 
+#include <malloc.h>
+
 #include <chrono>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "backend/backend.h"
@@ -29,8 +32,71 @@ class WithoutReflection final : public grpc::ServerBuilderOption {
 
 }  // namespace
 
+// Returns the heap's free memory to the system every period: after a burst (many cancelled
+// reads, say) glibc otherwise keeps the peak (bench/RESULTS.md, issue 17).
+class MemoryTrimmer {
+ public:
+  explicit MemoryTrimmer(absl::Duration period) : thread_([this, period] { Run(period); }) {}
+  ~MemoryTrimmer() {
+    {
+      kvferry::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    thread_.join();
+  }
+
+ private:
+  void Run(absl::Duration period) {
+    kvferry::MutexLock lock(&mu_);
+    while (!mu_.AwaitWithTimeout(kvferry::Condition(&stop_), period)) malloc_trim(0);
+  }
+  kvferry::Mutex mu_;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread thread_;
+};
+
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   std::unique_ptr<Daemon> d(new Daemon());
+  Daemon* raw = d.get();
+  // Budgets: defaults from the host's memory, refusals counted by the metrics.
+  const uint64_t cpu_memory = options.cpu_memory_limit_bytes > 0
+                                  ? options.cpu_memory_limit_bytes
+                                  : HostMemoryLimit() / 4 * 3;
+  if (options.limits.daemon[Resource::kStagedWriteBytes] == TenantQuota::kUnlimited &&
+      cpu_memory > 0) {
+    options.limits.daemon[Resource::kStagedWriteBytes] = static_cast<int64_t>(cpu_memory / 8);
+  }
+  // The metrics read pool stats through the manager, created below.
+  d->daemon_metrics_ =
+      std::make_unique<DaemonMetrics>([raw] { return raw->pools_->Stats().pools; });
+  DaemonMetrics* metrics = d->daemon_metrics_.get();
+  options.limits.on_refusal = [metrics](Resource resource, bool daemon_wide) {
+    metrics->RecordRefusal(daemon_wide ? "daemon_budget_exhausted" : "quota_exceeded",
+                           ResourceName(resource));
+  };
+  if (options.auth_tokens_file.empty()) {
+    // No tenants: every caller is the one default tenant, bounded by the daemon's budgets.
+    options.limits.per_tenant = TenantQuota{};
+  } else if (options.limits.per_tenant[Resource::kStagedWriteBytes] == TenantQuota::kUnlimited &&
+             options.limits.daemon[Resource::kStagedWriteBytes] != TenantQuota::kUnlimited) {
+    options.limits.per_tenant[Resource::kStagedWriteBytes] =
+        options.limits.daemon[Resource::kStagedWriteBytes] / 4;
+  }
+  d->tenants_ = std::make_unique<TenantRegistry>(options.limits);
+  d->daemon_metrics_->SetBudgetSource([account = d->tenants_->daemon()] {
+    std::vector<DaemonMetrics::Budget> budgets;
+    for (Resource r : {Resource::kPools, Resource::kStreams, Resource::kStagedWriteBytes}) {
+      const int64_t limit = account->limit(r);
+      budgets.push_back({ResourceName(r), account->used(r),
+                         limit == TenantQuota::kUnlimited ? -1 : limit});
+    }
+    return budgets;
+  });
+  options.service.on_stream_expired = [metrics](ErrorReason reason) {
+    std::string name = ReasonName(reason);
+    for (char& c : name) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    metrics->RecordRefusal(name, "streams");
+  };
   // Security first: a daemon that would serve in the open, or with unusable certificate or
   // token files, must not start.
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> credentials =
@@ -45,12 +111,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
     }
   }
   if (options.auth_tokens_file.empty()) {
-    d->auth_ = std::make_unique<OpenAuthenticator>(d->tenants_.Get(""));
+    d->auth_ = std::make_unique<OpenAuthenticator>(d->tenants_->Get(""));
   } else {
     absl::StatusOr<std::unique_ptr<TokenAuthenticator>> tokens = TokenAuthenticator::Start(
         TokenAuthOptions{options.auth_tokens_file,
                          static_cast<double>(options.tls.reload_seconds)},
-        &d->tenants_);
+        d->tenants_.get());
     if (!tokens.ok()) return tokens.status();
     d->tokens_ = tokens->get();
     d->auth_ = std::move(*tokens);
@@ -60,29 +126,47 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
                    " tokens=", options.auth_tokens_file.empty() ? "off" : "on");
 
   d->default_device_ = options.default_device.empty() ? DefaultDevice() : options.default_device;
-  // The metrics read pool stats through the manager, created right after.
-  Daemon* raw = d.get();
-  d->daemon_metrics_ =
-      std::make_unique<DaemonMetrics>([raw] { return raw->pools_->Stats().pools; });
   PoolManagerOptions pool_options;
   pool_options.default_device = d->default_device_;
   pool_options.observer = d->daemon_metrics_.get();
   pool_options.backend.cpu_threads = options.cpu_threads;
+  pool_options.backend.cpu_memory_limit_bytes = cpu_memory;
   d->pools_ = std::make_unique<PoolManager>(std::move(pool_options));
   // The default device's backend, made now: a bad --default_device fails start-up.
   if (absl::Status s = d->pools_->BackendFor(d->default_device_).status(); !s.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("default device: ", s.message()));
+  }
+  for (const StartupPool& p : options.pools) {
+    if (!p.tenant.empty() && options.auth_tokens_file.empty()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          p.origin, ": pool '", p.config.name, "' belongs to tenant '", p.tenant,
+          "', but without a token file every caller is the default tenant"));
+    }
+    absl::StatusOr<std::shared_ptr<Pool>> pool =
+        d->pools_->Create(d->tenants_->Get(p.tenant), p.config, p.device);
+    if (!pool.ok()) {
+      return absl::Status(pool.status().code(), absl::StrCat(p.origin, ": pool '", p.config.name,
+                                                             "': ", pool.status().message()));
+    }
   }
   // An AllocatePages reply holds at most ~26 bytes per handle; keep it well inside a message.
   options.service.max_pages_per_call =
       std::min<int64_t>(options.service.max_pages_per_call, (options.max_message_bytes - 4096) / 32);
   d->sessions_ = std::make_unique<SessionManager>(d->pools_.get(), d->daemon_metrics_.get());
   SessionManager* sessions = d->sessions_.get();
-  d->pools_->SetDeleteListener([sessions](const Pool& pool) { sessions->PoolDeleted(pool); });
+  d->cache_ = std::make_unique<BlockIndex>(options.cache);
+  BlockIndex* cache = d->cache_.get();
+  d->pools_->SetDeleteListener([sessions, cache](const Pool& pool) {
+    sessions->PoolDeleted(pool);
+    cache->PoolDeleted(pool);
+  });
   d->daemon_metrics_->SetSessionSource([sessions] { return sessions->Counts(); });
+  d->daemon_metrics_->SetCacheSource([cache] { return cache->Counts(); });
   d->service_ = std::make_unique<KvFerryService>(d->pools_.get(), sessions, options.service,
                                                  d->auth_.get());
   d->session_service_ = std::make_unique<SessionService>(sessions, d->auth_.get());
+  d->cache_service_ =
+      std::make_unique<KvCacheService>(d->pools_.get(), cache, options.service, d->auth_.get());
 
   // The health service answers without a token (probes have none). Reflection cannot check
   // tokens, so it is only offered when there are none.
@@ -92,15 +176,39 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   // gRPC allows SO_REUSEPORT by default: a second daemon would then share the port and
   // take half the clients. Start-up must fail instead.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // Dead peers (a killed or frozen client, a cut network) are found by keepalive pings
+  // within keepalive + timeout; their calls end and release what they held. Clients may
+  // ping too, but not more often than every 5 s without data (else GOAWAY).
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS,
+                             static_cast<int>(options.keepalive_seconds * 1000));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+                             static_cast<int>(options.keepalive_timeout_seconds * 1000));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 5000);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 2);
+  // Each open call holds a thread of the synchronous server: bound them, so that a flood
+  // of calls is refused (RESOURCE_EXHAUSTED) instead of growing the process without end.
+  const int64_t streams = options.limits.daemon[Resource::kStreams];
+  const int max_threads =
+      options.max_threads > 0
+          ? options.max_threads
+          : static_cast<int>(std::min<int64_t>(streams == TenantQuota::kUnlimited ? 4096 : streams,
+                                               1 << 20) + 256);
+  grpc::ResourceQuota quota("kvferryd");
+  quota.SetMaxThreads(max_threads);
+  builder.SetResourceQuota(quota);
   if (!options.auth_tokens_file.empty()) builder.SetOption(std::make_unique<WithoutReflection>());
   builder.AddListeningPort(options.listen, *credentials, &d->grpc_port_);
   builder.RegisterService(d->service_.get());
   builder.RegisterService(d->session_service_.get());
+  builder.RegisterService(d->cache_service_.get());
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
   interceptors.push_back(std::make_unique<MetricsInterceptorFactory>(
-      d->daemon_metrics_.get(), MetricsInterceptorFactory::KnownMethods({"kvferry.v1.KvFerry", "kvferry.v1.KvSession"})));
+      d->daemon_metrics_.get(), MetricsInterceptorFactory::KnownMethods(
+                                  {"kvferry.v1.KvFerry", "kvferry.v1.KvSession", "kvferry.v1.KvCache"})));
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
   d->server_ = builder.BuildAndStart();
   if (!d->server_ || d->grpc_port_ == 0) {
@@ -111,12 +219,16 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   if (!options.metrics_listen.empty()) {
     absl::StatusOr<std::unique_ptr<MetricsServer>> m =
         MetricsServer::Start(options.metrics_listen, d->daemon_metrics_.get(),
-                             tls ? HttpsSetup(options.tls) : nullptr);
+                             tls ? HttpsSetup(options.tls) : nullptr,
+                             HttpOptions{options.http_threads, options.http_read_timeout_seconds});
     if (!m.ok()) {
       d->Shutdown(0);
       return m.status();
     }
     d->metrics_ = std::move(*m);
+  }
+  if (options.malloc_trim_seconds > 0) {
+    d->trimmer_ = std::make_unique<MemoryTrimmer>(absl::Seconds(options.malloc_trim_seconds));
   }
   return d;
 }
@@ -130,11 +242,14 @@ void Daemon::Shutdown(double grace_seconds) {
   stopped_ = true;
   if (server_) {
     server_->GetHealthCheckService()->SetServingStatus(false);
+    // Event subscriptions would otherwise run until the grace period cancels them.
+    if (cache_) cache_->events().Close();
     server_->Shutdown(std::chrono::system_clock::now() +
                       std::chrono::milliseconds(static_cast<int64_t>(grace_seconds * 1000)));
     server_->Wait();
   }
   metrics_.reset();
+  trimmer_.reset();
   if (pools_) pools_->Clear();
 }
 

@@ -7,16 +7,26 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "core/block_index.h"
 #include "core/pool_manager.h"
 #include "core/tenant.h"
 #include "metrics/metrics.h"
 #include "core/session.h"
 #include "security/authenticator.h"
 #include "security/tls.h"
+#include "service/cache_service.h"
 #include "service/pool_service.h"
 #include "service/session_service.h"
 
 namespace kvferry::server {
+
+// A pool the daemon creates before it serves (the config file's [[pool]] tables).
+struct StartupPool {
+  PoolConfig config;
+  std::string device;  // empty: the default device
+  std::string tenant;  // empty: the default tenant; another needs auth_tokens_file
+  std::string origin;  // where it was defined, for messages ("kvferryd.toml:12")
+};
 
 struct DaemonOptions {
   std::string listen = "127.0.0.1:50051";          // gRPC address; port 0 picks a free one
@@ -32,7 +42,36 @@ struct DaemonOptions {
   // the one default tenant. Re-read every tls.reload_seconds when it changed, and on
   // ReloadTokens().
   std::string auth_tokens_file;
+  // Created in order before serving; one that cannot be created fails Start.
+  std::vector<StartupPool> pools;
+  // The KV cache's index: events kept for subscribers, the longest lease, key limits.
+  BlockIndexOptions cache;
+
+  // ---- resource governance: 0 means the default stated ----
+  // Budgets of all clients together (TenantLimits::daemon) and of each tenant where the
+  // token file gives none (TenantLimits::per_tenant); kUnlimited where none. Staged write
+  // bytes left unlimited in `daemon` default to an eighth of the cpu memory limit.
+  TenantLimits limits;
+  // Host memory the cpu backend may commit (pools, staging, read buffers); 0: three
+  // quarters of the machine's or the cgroup's memory (HostMemoryLimit()).
+  uint64_t cpu_memory_limit_bytes = 0;
+  // Threads of gRPC's synchronous server (each open call holds one); beyond, gRPC answers
+  // RESOURCE_EXHAUSTED itself. 0: the streams budget plus 256 for unary calls.
+  int max_threads = 0;
+  // HTTP/2 keepalive: a ping after this much silence on a connection, which fails when not
+  // answered within keepalive_timeout_seconds (the connection and its calls end).
+  double keepalive_seconds = 10;
+  double keepalive_timeout_seconds = 5;
+  // /metrics and /healthz: worker threads (connections served at once) and the longest
+  // wait for a request's next bytes.
+  int http_threads = 32;
+  double http_read_timeout_seconds = 2;
+  // Every this many seconds glibc is asked to return free heap memory to the system
+  // (malloc_trim); 0: never.
+  double malloc_trim_seconds = 0;
 };
+
+class MemoryTrimmer;
 
 class Daemon {
  public:
@@ -59,17 +98,20 @@ class Daemon {
   std::string default_device_;
   std::string security_summary_;
   std::unique_ptr<DaemonMetrics> daemon_metrics_;
-  TenantRegistry tenants_;
+  std::unique_ptr<TenantRegistry> tenants_;
   std::unique_ptr<Authenticator> auth_;
   TokenAuthenticator* tokens_ = nullptr;  // auth_, when it is the token file's
   std::unique_ptr<PoolManager> pools_;
   std::unique_ptr<SessionManager> sessions_;
+  std::unique_ptr<BlockIndex> cache_;
+  std::unique_ptr<KvCacheService> cache_service_;
   std::unique_ptr<KvFerryService> service_;
   std::unique_ptr<SessionService> session_service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<MetricsServer> metrics_;
   int grpc_port_ = 0;
   bool stopped_ = false;
+  std::unique_ptr<MemoryTrimmer> trimmer_;
 };
 
 }  // namespace kvferry::server

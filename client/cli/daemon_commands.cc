@@ -1,4 +1,4 @@
-// `kvferry pool|pages|put|get-pages|get-workspace|stats|bench|health`.
+// `kvferry pool|pages|put|get-pages|get-workspace|stats|bench|health|cache`.
 #include "daemon_commands.h"
 
 #include <algorithm>
@@ -45,6 +45,18 @@ sent as the bearer token); --tls-ca PEM (TLS, trusting this CA) with --tls-cert 
   kvferry stats
   kvferry bench [--layout v41] [--page-size 64] [--tokens N] [--device D]
   kvferry health
+  kvferry cache create NS --pools P1[,P2..] --block-tokens N [--model M] [--layer-group G]
+                          [--salt S] [--max-blocks N]
+  kvferry cache describe NS | cache delete NS
+  kvferry cache put NS POOL --keys KEYS.txt --rows ROWS.bf16 [--digest D]
+  kvferry cache lookup NS --keys KEYS.txt [--pools P1,P2] [--lease-ms N] [--digest D]
+  kvferry cache load NS POOL --lease ID --out FILE [--layer L | --records] [--first N]
+                     [--count N] [--digest D]
+  kvferry cache release NS --lease ID
+KEYS.txt has one key per line (its bytes, without the newline). ROWS.bf16 holds, for each
+key in order and each layer of POOL, page_size bf16 rows of 512. --digest (decimal) is
+checked against the namespace's; without it the namespace's own is used. load writes bf16
+rows of one layer (--layer, default 0) or, with --records, the raw page records.
 PAGES.json is [{"page_id": .., "generation": ..}, ...]; a location in LOCS.i64 is
 i * page_size + slot, i indexing PAGES.json. Exit 0 on success, 2 on a usage error, 1 on
 an error (message on stderr).
@@ -60,7 +72,7 @@ struct Failure {
 class Words {
  public:
   // Options that take no value.
-  static inline const std::set<std::string> kFlags = {"json", "help"};
+  static inline const std::set<std::string> kFlags = {"json", "help", "records"};
 
   static std::optional<Failure> Parse(const std::vector<std::string>& words, Words* out) {
     for (size_t i = 0; i < words.size(); ++i) {
@@ -565,11 +577,199 @@ std::optional<Failure> Bench(const Context& c) {
   return std::nullopt;
 }
 
+// ---- the KV cache ---------------------------------------------------------------------------
+
+json NamespaceJson(const client::NamespaceInfo& ns) {
+  json members = json::array();
+  for (const auto& m : ns.members) {
+    members.push_back({{"pool", m.pool}, {"layout", client::LayoutName(m.layout)},
+                       {"page_size", m.page_size}, {"num_layers", m.num_layers},
+                       {"tier", m.tier}, {"blocks", m.blocks}});
+  }
+  return {{"name", ns.name}, {"digest", ns.digest}, {"block_tokens", ns.block_tokens},
+          {"max_blocks", ns.max_blocks}, {"members", members}};
+}
+
+std::optional<Failure> ReadKeys(const Words& w, std::vector<std::string>* keys) {
+  std::string path;
+  KVF_CLI_TRY(Required(w, "keys", &path));
+  std::ifstream in(path);
+  if (!in) return Failure{kExitInvalidInput, absl::StrCat("cannot read ", path)};
+  for (std::string line; std::getline(in, line);) keys->push_back(line);
+  return std::nullopt;
+}
+
+// The namespace as calls name it: --digest, or the namespace's own.
+std::optional<Failure> Namespace(const Context& c, const std::string& name,
+                                 client::NamespaceRef* ref) {
+  ref->name = name;
+  if (auto digest = c.words.Get("digest")) return ParseNumber("--digest", *digest, &ref->digest);
+  absl::StatusOr<client::NamespaceInfo> info = c.client.DescribeNamespace(name);
+  if (!info.ok()) return FromStatus(info.status());
+  ref->digest = info->digest;
+  return std::nullopt;
+}
+
+std::optional<Failure> CacheCommand(const Context& c) {
+  const auto& p = c.words.positional();
+  if (p.size() < 3) return Usage("cache needs a subcommand and a namespace");
+  const std::string& sub = p[1];
+  const std::string& name = p[2];
+  auto print = [&](const client::NamespaceInfo& ns) {
+    if (c.json) {
+      c.out << NamespaceJson(ns).dump(2) << "\n";
+      return;
+    }
+    c.out << ns.name << ": digest " << ns.digest << ", " << ns.block_tokens
+          << " tokens per block";
+    for (const auto& m : ns.members) {
+      c.out << "; " << m.pool << " (" << client::LayoutName(m.layout) << ", " << m.blocks
+            << " blocks on " << m.tier << ")";
+    }
+    c.out << "\n";
+  };
+  if (sub == "create") {
+    client::NamespaceSpec spec;
+    spec.name = name;
+    std::string text;
+    KVF_CLI_TRY(Required(c.words, "pools", &text));
+    spec.pools = absl::StrSplit(text, ',');
+    KVF_CLI_TRY(Required(c.words, "block-tokens", &text));
+    KVF_CLI_TRY(ParseNumber("--block-tokens", text, &spec.block_tokens));
+    if (auto v = c.words.Get("model")) spec.model_fingerprint = *v;
+    if (auto v = c.words.Get("layer-group")) spec.layer_group = *v;
+    if (auto v = c.words.Get("salt")) spec.tenant_salt = *v;
+    if (auto v = c.words.Get("max-blocks")) KVF_CLI_TRY(ParseNumber("--max-blocks", *v, &spec.max_blocks));
+    if (auto unused = c.words.Unused()) return Usage(absl::StrCat("unknown option --", *unused));
+    absl::StatusOr<client::NamespaceInfo> ns = c.client.CreateNamespace(spec);
+    if (!ns.ok()) return FromStatus(ns.status());
+    print(*ns);
+    return std::nullopt;
+  }
+  if (sub == "describe" || sub == "delete") {
+    if (auto unused = c.words.Unused()) return Usage(absl::StrCat("unknown option --", *unused));
+    if (sub == "delete") {
+      if (absl::Status s = c.client.DeleteNamespace(name); !s.ok()) return FromStatus(s);
+      if (c.json) c.out << json{{"deleted", name}}.dump() << "\n";
+      return std::nullopt;
+    }
+    absl::StatusOr<client::NamespaceInfo> ns = c.client.DescribeNamespace(name);
+    if (!ns.ok()) return FromStatus(ns.status());
+    print(*ns);
+    return std::nullopt;
+  }
+  client::NamespaceRef ref;
+  if (sub == "put") {
+    if (p.size() != 4) return Usage("cache put needs NS POOL");
+    std::vector<std::string> keys;
+    KVF_CLI_TRY(ReadKeys(c.words, &keys));
+    std::string rows_path;
+    KVF_CLI_TRY(Required(c.words, "rows", &rows_path));
+    KVF_CLI_TRY(Namespace(c, name, &ref));
+    if (auto unused = c.words.Unused()) return Usage(absl::StrCat("unknown option --", *unused));
+    absl::StatusOr<std::vector<uint16_t>> rows = ReadFileArray<uint16_t>(rows_path);
+    if (!rows.ok()) return Failure{kExitInvalidInput, std::string(rows.status().message())};
+    absl::StatusOr<client::PoolInfo> pool = c.client.DescribePool(p[3]);
+    if (!pool.ok()) return FromStatus(pool.status());
+    const size_t per = static_cast<size_t>(pool->spec.page_size) * 512;
+    const size_t layers = pool->spec.num_layers;
+    if (rows->size() != keys.size() * layers * per) {
+      return Failure{kExitInvalidInput,
+                     absl::StrCat(rows_path, " holds ", rows->size() / 512, " rows; ", keys.size(),
+                                  " keys x ", layers, " layers x ", pool->spec.page_size,
+                                  " slots need ", keys.size() * layers * per / 512)};
+    }
+    std::vector<client::BlockRows> blocks;
+    for (size_t k = 0; k < keys.size(); ++k) {
+      for (size_t l = 0; l < layers; ++l) {
+        blocks.push_back({keys[k], static_cast<uint32_t>(l), 0,
+                          std::span<const uint16_t>(*rows).subspan((k * layers + l) * per, per)});
+      }
+    }
+    absl::StatusOr<client::PutResult> put = c.client.PutRows(ref, p[3], blocks);
+    if (!put.ok()) return FromStatus(put.status());
+    if (c.json) {
+      c.out << json{{"blocks_stored", put->blocks_stored},
+                    {"blocks_already_held", put->blocks_already_held}}.dump() << "\n";
+    } else {
+      c.out << put->blocks_stored << " blocks stored, " << put->blocks_already_held
+            << " already held\n";
+    }
+    return std::nullopt;
+  }
+  if (sub == "lookup") {
+    std::vector<std::string> keys;
+    KVF_CLI_TRY(ReadKeys(c.words, &keys));
+    client::LookupOptions options;
+    if (auto v = c.words.Get("pools")) options.pools = absl::StrSplit(*v, ',');
+    if (auto v = c.words.Get("lease-ms")) {
+      uint32_t ms;
+      KVF_CLI_TRY(ParseNumber("--lease-ms", *v, &ms));
+      options.lease_ttl = absl::Milliseconds(ms);
+    }
+    KVF_CLI_TRY(Namespace(c, name, &ref));
+    if (auto unused = c.words.Unused()) return Usage(absl::StrCat("unknown option --", *unused));
+    absl::StatusOr<client::LookupResult> hit = c.client.Lookup(ref, keys, options);
+    if (!hit.ok()) return FromStatus(hit.status());
+    if (c.json) {
+      c.out << json{{"hit_blocks", hit->hit_blocks}, {"pending_blocks", hit->pending_blocks},
+                    {"hit_tokens", hit->hit_tokens}, {"lease_id", hit->lease_id}}.dump() << "\n";
+    } else {
+      c.out << hit->hit_blocks << " of " << keys.size() << " blocks held (" << hit->hit_tokens
+            << " tokens), " << hit->pending_blocks << " more being written";
+      if (hit->lease_id != 0) c.out << "; lease " << hit->lease_id;
+      c.out << "\n";
+    }
+    return std::nullopt;
+  }
+  if (sub == "load" || sub == "release") {
+    std::string text;
+    uint64_t lease;
+    KVF_CLI_TRY(Required(c.words, "lease", &text));
+    KVF_CLI_TRY(ParseNumber("--lease", text, &lease));
+    if (sub == "release") {
+      KVF_CLI_TRY(Namespace(c, name, &ref));
+      if (auto unused = c.words.Unused()) return Usage(absl::StrCat("unknown option --", *unused));
+      if (absl::Status s = c.client.ReleaseLease(ref, lease); !s.ok()) return FromStatus(s);
+      return std::nullopt;
+    }
+    if (p.size() != 4) return Usage("cache load needs NS POOL");
+    std::string out_path;
+    KVF_CLI_TRY(Required(c.words, "out", &out_path));
+    client::BlockRange range;
+    if (auto v = c.words.Get("first")) KVF_CLI_TRY(ParseNumber("--first", *v, &range.first));
+    if (auto v = c.words.Get("count")) KVF_CLI_TRY(ParseNumber("--count", *v, &range.count));
+    uint32_t layer = 0;
+    if (auto v = c.words.Get("layer")) KVF_CLI_TRY(ParseNumber("--layer", *v, &layer));
+    const bool records = c.words.Get("records").has_value();
+    KVF_CLI_TRY(Namespace(c, name, &ref));
+    if (auto unused = c.words.Unused()) return Usage(absl::StrCat("unknown option --", *unused));
+    uint64_t bytes = 0;
+    if (records) {
+      absl::StatusOr<std::vector<uint8_t>> pages =
+          c.client.LoadPages(ref, lease, p[3], {}, std::nullopt, range);
+      if (!pages.ok()) return FromStatus(pages.status());
+      KVF_CLI_TRY(WriteBytes(out_path, *pages));
+      bytes = pages->size();
+    } else {
+      absl::StatusOr<std::vector<uint16_t>> rows = c.client.LoadRows(ref, lease, p[3], layer, range);
+      if (!rows.ok()) return FromStatus(rows.status());
+      KVF_CLI_TRY(WriteBytes(out_path, {reinterpret_cast<const uint8_t*>(rows->data()),
+                                        rows->size() * 2}));
+      bytes = rows->size() * 2;
+    }
+    if (c.json) c.out << json{{"bytes", bytes}, {"out", out_path}}.dump() << "\n";
+    return std::nullopt;
+  }
+  return Usage(absl::StrCat("unknown cache subcommand '", sub, "'"));
+}
+
 }  // namespace
 
 bool IsDaemonCommand(const std::string& command) {
   static const std::set<std::string> kCommands = {"pool", "pages", "put", "get-pages",
-                                                  "get-workspace", "stats", "bench", "health"};
+                                                  "get-workspace", "stats", "bench", "health",
+                                                  "cache"};
   return kCommands.contains(command);
 }
 
@@ -640,6 +840,7 @@ int RunDaemonCommand(const std::vector<std::string>& args, std::ostream& out, st
   else if (command == "stats") failure = StatsCommand(c);
   else if (command == "bench") failure = Bench(c);
   else if (command == "health") failure = Health(c);
+  else if (command == "cache") failure = CacheCommand(c);
   if (failure.has_value()) {
     err << "kvferry " << command << ": " << failure->message << "\n";
     if (failure->code == kExitUsage) err << kUsage;

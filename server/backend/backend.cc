@@ -69,7 +69,7 @@ absl::Status Backend::Run(std::span<const Op> ops) {
 
 absl::StatusOr<std::shared_ptr<Backend>> MakeBackend(const std::string& device,
                                                      const BackendOptions& options) {
-  if (device == "cpu") return MakeCpuBackend(options.cpu_threads);
+  if (device == "cpu") return MakeCpuBackend(options.cpu_threads, options.cpu_memory_limit_bytes);
   if (absl::StartsWith(device, "cuda:")) {
     int index;
     if (!absl::SimpleAtoi(device.substr(5), &index) || index < 0) {

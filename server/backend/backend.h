@@ -182,7 +182,16 @@ struct BackendOptions {
   // cpu: workers the vectorized ops split large requests across (the calling thread
   // included); 0 means the cores this process may use (its CPU affinity).
   int cpu_threads = 0;
+  // cpu: bytes of host memory the backend may hold at once (pools, staging, read buffers),
+  // counted as they are allocated and freed; 0: no cap. Pools (the zero-filled
+  // allocations) may take all but an eighth of it, which stays for the staging and read
+  // buffers of requests in flight: when pools fill the cap, reads still get their buffers.
+  uint64_t cpu_memory_limit_bytes = 0;
 };
+
+// Host memory this process may use: the machine's physical memory, or the cgroup's
+// memory.max (v2) / memory.limit_in_bytes (v1) where that is lower.
+uint64_t HostMemoryLimit();
 
 // "cpu" or "cuda:N" (the latter only in builds with CUDA and on machines with that GPU).
 absl::StatusOr<std::shared_ptr<Backend>> MakeBackend(const std::string& device,

@@ -3,9 +3,13 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
+#include <fstream>
+#include <string>
 #include <cstring>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/errors.h"
 #include "kvferry/kernels/cpu_ops.h"
@@ -88,14 +92,22 @@ struct HostRunner {
   }
 };
 
+// Memory is counted against a cap as it is committed, not compared with the free memory of
+// one instant: what earlier pools were promised counts even before they touch it.
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(int threads)
-      : workers_(threads > 0 ? threads : cpu::DefaultThreadCount()) {}
+  CpuBackend(int threads, uint64_t memory_limit)
+      : workers_(threads > 0 ? threads : cpu::DefaultThreadCount()),
+        limit_(memory_limit),
+        pool_limit_(memory_limit - memory_limit / 8) {}
 
   const std::string& device() const override { return device_; }
 
   absl::StatusOr<uint64_t> FreeBytes() override {
+    if (limit_ > 0) {
+      const uint64_t held = held_.load();
+      return held < pool_limit_ ? pool_limit_ - held : 0;
+    }
     const long pages = sysconf(_SC_AVPHYS_PAGES);
     const long page_size = sysconf(_SC_PAGESIZE);
     if (pages < 0 || page_size < 0) {
@@ -106,16 +118,32 @@ class CpuBackend final : public Backend {
   }
 
   absl::StatusOr<Buffer> Allocate(size_t bytes, MemoryKind kind, bool zero) override {
-    KVF_ASSIGN_OR_RETURN(const uint64_t free_bytes, FreeBytes());
-    if (bytes > free_bytes) {
-      return Error(absl::StatusCode::kResourceExhausted, ErrorReason::kDeviceOutOfMemory,
-                   absl::StrCat("cpu: ", bytes, " bytes requested, ", free_bytes,
-                                " bytes of host memory free"));
-    }
     // 64-byte alignment: the ops' vector paths and the 16-byte rule of the CUDA launchers.
     const size_t rounded = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
+    if (limit_ > 0) {
+      // Pools (zero-filled) leave an eighth of the cap to requests in flight.
+      const uint64_t cap = zero && kind == MemoryKind::kDevice ? pool_limit_ : limit_;
+      uint64_t held = held_.load();
+      do {
+        if (rounded > cap || held > cap - rounded) {
+          return Error(absl::StatusCode::kResourceExhausted, ErrorReason::kDeviceOutOfMemory,
+                       absl::StrCat("cpu: ", bytes, " bytes requested, ", held, " of ", cap,
+                                    " bytes (--cpu_memory_limit_bytes", cap == limit_ ? "" : ", less an eighth kept for requests in flight",
+                                    ") already committed"));
+        }
+      } while (!held_.compare_exchange_weak(held, held + rounded));
+    } else {
+      KVF_ASSIGN_OR_RETURN(const uint64_t free_bytes, FreeBytes());
+      if (bytes > free_bytes) {
+        return Error(absl::StatusCode::kResourceExhausted, ErrorReason::kDeviceOutOfMemory,
+                     absl::StrCat("cpu: ", bytes, " bytes requested, ", free_bytes,
+                                  " bytes of host memory free"));
+      }
+      held_ += rounded;
+    }
     void* ptr = std::aligned_alloc(64, rounded);
     if (ptr == nullptr) {
+      held_ -= rounded;
       return Error(absl::StatusCode::kResourceExhausted, ErrorReason::kDeviceOutOfMemory,
                    absl::StrCat("cpu: cannot allocate ", bytes, " bytes"));
     }
@@ -132,17 +160,42 @@ class CpuBackend final : public Backend {
   }
 
  protected:
-  void Release(MemoryKind, void* ptr, size_t) override { std::free(ptr); }
+  void Release(MemoryKind, void* ptr, size_t bytes) override {
+    std::free(ptr);
+    held_ -= (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
+  }
 
  private:
   const std::string device_ = "cpu";
   cpu::ThreadPool workers_;
+  const uint64_t limit_;       // 0: no cap
+  const uint64_t pool_limit_;  // what pools may take of it
+  std::atomic<uint64_t> held_{0};
 };
 
 }  // namespace
 
-std::shared_ptr<Backend> MakeCpuBackend(int threads) {
-  return std::make_shared<CpuBackend>(threads);
+std::shared_ptr<Backend> MakeCpuBackend(int threads, uint64_t memory_limit_bytes) {
+  return std::make_shared<CpuBackend>(threads, memory_limit_bytes);
+}
+
+uint64_t HostMemoryLimit() {
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page_size = sysconf(_SC_PAGESIZE);
+  uint64_t limit = pages > 0 && page_size > 0
+                       ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page_size)
+                       : 0;
+  // cgroup v2, then v1; "max" (v2) or a huge number (v1) means no limit of the cgroup.
+  for (const char* path : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    std::ifstream in(path);
+    std::string text;
+    uint64_t cgroup = 0;
+    if (in >> text && absl::SimpleAtoi(text, &cgroup) && cgroup > 0) {
+      if (limit == 0 || cgroup < limit) limit = cgroup;
+      break;
+    }
+  }
+  return limit;
 }
 
 }  // namespace kvferry::server

@@ -12,6 +12,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "kvferry/mutex.h"
 #include "common/errors.h"
 #include "kvferry/kernels/cuda_compressor.h"
 #include "kvferry/kernels/cuda_ops.h"
@@ -37,7 +38,7 @@ class BlockCache {
     size_t rounded = 256;
     while (rounded < bytes) rounded <<= 1;
     bytes = rounded;
-    absl::MutexLock lock(&mu_);
+    kvferry::MutexLock lock(&mu_);
     auto& blocks = blocks_[rounded];
     if (blocks.empty()) return nullptr;
     void* ptr = blocks.back();
@@ -48,18 +49,18 @@ class BlockCache {
   // True when the block was kept.
   bool Put(void* ptr, size_t bytes) {
     if (bytes > kMaxCachedBlock) return false;
-    absl::MutexLock lock(&mu_);
+    kvferry::MutexLock lock(&mu_);
     if (cached_ + bytes > kMaxCachedBytes) return false;
     blocks_[bytes].push_back(ptr);
     cached_ += bytes;
     return true;
   }
   size_t cached() {
-    absl::MutexLock lock(&mu_);
+    kvferry::MutexLock lock(&mu_);
     return cached_;
   }
   std::vector<void*> Drain() {
-    absl::MutexLock lock(&mu_);
+    kvferry::MutexLock lock(&mu_);
     std::vector<void*> all;
     for (auto& [size, blocks] : blocks_) {
       all.insert(all.end(), blocks.begin(), blocks.end());
@@ -70,7 +71,7 @@ class BlockCache {
   }
 
  private:
-  absl::Mutex mu_;
+  kvferry::Mutex mu_;
   absl::flat_hash_map<size_t, std::vector<void*>> blocks_ ABSL_GUARDED_BY(mu_);
   size_t cached_ ABSL_GUARDED_BY(mu_) = 0;
 };
@@ -166,7 +167,7 @@ class CudaBackend final : public Backend {
   ~CudaBackend() override {
     DropCaches();
     cudaSetDevice(index_);
-    absl::MutexLock lock(&streams_mu_);
+    kvferry::MutexLock lock(&streams_mu_);
     for (cudaStream_t s : streams_) cudaStreamDestroy(s);
   }
 
@@ -215,7 +216,7 @@ class CudaBackend final : public Backend {
                                 handle.size()));
     }
     KVF_RETURN_IF_ERROR(UseDevice());
-    absl::MutexLock lock(&imports_mu_);
+    kvferry::MutexLock lock(&imports_mu_);
     if (auto it = imports_.find(handle); it != imports_.end()) {
       if (std::shared_ptr<ImportedMemory> live = it->second.lock()) return live;
     }
@@ -300,7 +301,7 @@ class CudaBackend final : public Backend {
 
   absl::StatusOr<cudaStream_t> TakeStream() {
     {
-      absl::MutexLock lock(&streams_mu_);
+      kvferry::MutexLock lock(&streams_mu_);
       if (!idle_.empty()) {
         cudaStream_t s = idle_.back();
         idle_.pop_back();
@@ -310,12 +311,12 @@ class CudaBackend final : public Backend {
     cudaStream_t s;
     KVF_RETURN_IF_ERROR(
         DeviceStatus(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate"));
-    absl::MutexLock lock(&streams_mu_);
+    kvferry::MutexLock lock(&streams_mu_);
     streams_.push_back(s);
     return s;
   }
   void GiveStream(cudaStream_t s) {
-    absl::MutexLock lock(&streams_mu_);
+    kvferry::MutexLock lock(&streams_mu_);
     idle_.push_back(s);
   }
 
@@ -331,10 +332,10 @@ class CudaBackend final : public Backend {
   const int index_;
   const std::string device_;
   BlockCache device_cache_, host_cache_;
-  absl::Mutex streams_mu_;
+  kvferry::Mutex streams_mu_;
   std::vector<cudaStream_t> streams_ ABSL_GUARDED_BY(streams_mu_);  // every stream made
   std::vector<cudaStream_t> idle_ ABSL_GUARDED_BY(streams_mu_);
-  absl::Mutex imports_mu_;
+  kvferry::Mutex imports_mu_;
   // Open mappings by handle bytes: one allocation is opened once however often registered.
   absl::flat_hash_map<std::string, std::weak_ptr<ImportedMemory>> imports_ ABSL_GUARDED_BY(imports_mu_);
 };

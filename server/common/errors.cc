@@ -22,14 +22,18 @@ constexpr const char* kNames[kNumErrorReasons] = {
     "CLIENT_CANCELLED", "DEADLINE_EXCEEDED", "INTERNAL_ERROR", "SHUTTING_DOWN",
     "SESSION_NOT_FOUND", "TENSOR_NOT_FOUND", "BLOCK_OUT_OF_RANGE", "TENSOR_OUT_OF_BOUNDS",
     "KIND_MISMATCH", "DEVICE_MISMATCH", "EXPORT_NOT_FOUND",
-    "QUOTA_EXCEEDED", "NOT_AUTHENTICATED",
+    "QUOTA_EXCEEDED", "NOT_AUTHENTICATED", "NAMESPACE_NOT_FOUND", "NAMESPACE_EXISTS",
+    "NAMESPACE_MISMATCH", "LEASE_EXPIRED", "BLOCK_INCOMPLETE", "CACHE_FULL", "EVENTS_LOST",
+    "PUBLISHER_CHANGED", "NAMESPACE_DELETED", "NOT_A_MEMBER",
+    nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,  // 52-59
+    "DAEMON_BUDGET_EXHAUSTED", "STREAM_IDLE_TIMEOUT", "STREAM_TOO_LONG",
 };
 
 }  // namespace
 
 const char* ReasonName(ErrorReason reason) {
   const int i = static_cast<int>(reason);
-  return i >= 0 && i < kNumErrorReasons ? kNames[i] : kNames[0];
+  return i >= 0 && i < kNumErrorReasons && kNames[i] != nullptr ? kNames[i] : kNames[0];
 }
 
 absl::Status Error(absl::StatusCode code, ErrorReason reason, absl::string_view message) {
@@ -48,7 +52,7 @@ ErrorReason ReasonOf(const absl::Status& status) {
   if (absl::optional<absl::Cord> payload = status.GetPayload(kReasonPayload);
       payload.has_value() && payload->size() == 1) {
     const int i = static_cast<unsigned char>(*payload->char_begin());
-    if (i < kNumErrorReasons) return static_cast<ErrorReason>(i);
+    if (i < kNumErrorReasons && kNames[i] != nullptr) return static_cast<ErrorReason>(i);
   }
   switch (status.code()) {
     case absl::StatusCode::kOk:

@@ -55,8 +55,24 @@ enum class ErrorReason {
   kExportNotFound,
   kQuotaExceeded,
   kNotAuthenticated,
+  kNamespaceNotFound,
+  kNamespaceExists,
+  kNamespaceMismatch,
+  kLeaseExpired,
+  kBlockIncomplete,
+  kCacheFull,
+  kEventsLost,
+  kPublisherChanged,
+  kNamespaceDeleted,
+  kNotAMember,
+  // 52-59: unused.
+  kDaemonBudgetExhausted = 60,
+  kStreamIdleTimeout = 61,
+  kStreamTooLong = 62,
 };
-inline constexpr int kNumErrorReasons = static_cast<int>(ErrorReason::kNotAuthenticated) + 1;
+// One past the largest reason number; numbers in between may be unused (ReasonName gives
+// ERROR_REASON_UNSPECIFIED for those).
+inline constexpr int kNumErrorReasons = static_cast<int>(ErrorReason::kStreamTooLong) + 1;
 
 // The proto name of a reason ("STALE_PAGE_HANDLE").
 const char* ReasonName(ErrorReason reason);

@@ -1,6 +1,8 @@
 // PageTable: free list, generations, pins, occupancy bits and deferred reclaim.
 #include "core/page_table.h"
 
+#include <algorithm>
+#include <bit>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
@@ -19,7 +21,7 @@ PageTable::PageTable(std::string pool_name, int64_t num_pages, int page_size, in
       num_layers_(num_layers),
       num_tokens_(num_pages * page_size),
       incarnation_(incarnation) {
-  absl::MutexLock lock(&mu_);
+  kvferry::MutexLock lock(&mu_);
   pages_.assign(num_pages_, Page{(incarnation_ << kGenerationCountBits) | 1});
   free_list_.resize(num_pages_);
   // Pop order: page 0 first.
@@ -33,7 +35,7 @@ absl::StatusOr<std::vector<PageHandle>> PageTable::Allocate(int64_t count) {
     return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
                  absl::StrCat("page count ", count, " must be > 0"));
   }
-  absl::MutexLock lock(&mu_);
+  kvferry::MutexLock lock(&mu_);
   if (deleted_) {
     return Error(absl::StatusCode::kAborted, ErrorReason::kPoolDeleted,
                  absl::StrCat("pool '", pool_name_, "' was deleted"));
@@ -74,14 +76,20 @@ absl::Status PageTable::CheckHandleLocked(const PageHandle& handle) const {
 }
 
 absl::Status PageTable::CheckHandle(const PageHandle& handle) const {
-  absl::ReaderMutexLock lock(&mu_);
+  kvferry::ReaderMutexLock lock(&mu_);
   return CheckHandleLocked(handle);
+}
+
+absl::Status PageTable::CheckHandles(std::span<const PageHandle> handles) const {
+  kvferry::ReaderMutexLock lock(&mu_);
+  for (const PageHandle& h : handles) KVF_RETURN_IF_ERROR(CheckHandleLocked(h));
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::vector<int64_t>> PageTable::Resolve(
     std::span<const TokenLocation> locations) const {
   std::vector<int64_t> tokens(locations.size());
-  absl::ReaderMutexLock lock(&mu_);
+  kvferry::ReaderMutexLock lock(&mu_);
   for (size_t i = 0; i < locations.size(); ++i) {
     const TokenLocation& l = locations[i];
     KVF_RETURN_IF_ERROR(CheckHandleLocked(l.page));
@@ -96,7 +104,7 @@ absl::StatusOr<std::vector<int64_t>> PageTable::Resolve(
 }
 
 absl::StatusOr<std::vector<int64_t>> PageTable::Free(std::span<const PageHandle> handles) {
-  absl::MutexLock lock(&mu_);
+  kvferry::MutexLock lock(&mu_);
   absl::flat_hash_set<uint64_t> seen;
   for (const PageHandle& h : handles) {
     KVF_RETURN_IF_ERROR(CheckHandleLocked(h));
@@ -119,7 +127,7 @@ absl::StatusOr<std::vector<int64_t>> PageTable::Free(std::span<const PageHandle>
 }
 
 void PageTable::Reclaimed(std::span<const int64_t> pages) {
-  absl::MutexLock lock(&mu_);
+  kvferry::MutexLock lock(&mu_);
   for (int64_t p : pages) {
     pages_[p].state = State::kFree;
     --reclaiming_;
@@ -128,12 +136,12 @@ void PageTable::Reclaimed(std::span<const int64_t> pages) {
 }
 
 void PageTable::ZeroingFailed(std::span<const int64_t> pages) {
-  absl::MutexLock lock(&mu_);
+  kvferry::MutexLock lock(&mu_);
   unzeroed_.insert(unzeroed_.end(), pages.begin(), pages.end());
 }
 
 std::vector<int64_t> PageTable::TakeUnzeroed() {
-  absl::MutexLock lock(&mu_);
+  kvferry::MutexLock lock(&mu_);
   return std::exchange(unzeroed_, {});
 }
 
@@ -141,7 +149,7 @@ absl::StatusOr<PageTable::Pin> PageTable::PinPages(std::span<const PageHandle> h
                                                    bool exclusive) {
   Pin pin;
   pin.exclusive = exclusive;
-  absl::MutexLock lock(&mu_);
+  kvferry::MutexLock lock(&mu_);
   auto check = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
     if (deleted_) {
       return Error(absl::StatusCode::kAborted, ErrorReason::kPoolDeleted,
@@ -151,11 +159,28 @@ absl::StatusOr<PageTable::Pin> PageTable::PinPages(std::span<const PageHandle> h
     return absl::OkStatus();
   };
   KVF_RETURN_IF_ERROR(check());
-  absl::flat_hash_set<int64_t> unique;
-  for (const PageHandle& h : handles) {
-    if (unique.insert(static_cast<int64_t>(h.page_id)).second) {
-      pin.pages.push_back(static_cast<int64_t>(h.page_id));
-      pin.generations.push_back(h.generation);
+  // Repeats pinned once. Every id is in range (checked above): a bitmap over the pool's pages
+  // for long lists (a page-form transfer names thousands), a hash set for short ones.
+  pin.pages.reserve(handles.size());
+  pin.generations.reserve(handles.size());
+  auto keep = [&](const PageHandle& h) {
+    pin.pages.push_back(static_cast<int64_t>(h.page_id));
+    pin.generations.push_back(h.generation);
+  };
+  if (handles.size() >= 256) {
+    std::vector<uint64_t> seen((num_pages_ + 63) / 64, 0);
+    for (const PageHandle& h : handles) {
+      uint64_t& word = seen[h.page_id / 64];
+      const uint64_t bit = uint64_t{1} << (h.page_id % 64);
+      if ((word & bit) == 0) {
+        word |= bit;
+        keep(h);
+      }
+    }
+  } else {
+    absl::flat_hash_set<int64_t> unique;
+    for (const PageHandle& h : handles) {
+      if (unique.insert(static_cast<int64_t>(h.page_id)).second) keep(h);
     }
   }
   if (exclusive) {
@@ -168,7 +193,7 @@ absl::StatusOr<PageTable::Pin> PageTable::PinPages(std::span<const PageHandle> h
       return true;
     };
     while (!none_written()) {
-      mu_.Await(absl::Condition(&none_written));
+      mu_.Await(kvferry::Condition(&none_written));
       KVF_RETURN_IF_ERROR(check());
     }
     for (int64_t p : pin.pages) pages_[p].writer = true;
@@ -194,7 +219,7 @@ std::vector<int64_t> PageTable::Unpin(const Pin& pin, int written_layer,
   if (written_layer >= 0) {
     for (size_t i = 0; i < pin.pages.size(); ++i) pinned[pin.pages[i]] = pin.generations[i];
   }
-  absl::MutexLock lock(&mu_);
+  kvferry::MutexLock lock(&mu_);
   for (int64_t token : written_tokens) {
     const int64_t p = token / page_size_;
     const Page& page = pages_[p];
@@ -212,13 +237,20 @@ std::vector<int64_t> PageTable::Unpin(const Pin& pin, int written_layer,
 
 std::vector<int64_t> PageTable::UnpinWrittenPages(const Pin& pin, std::span<const int> layers,
                                                   std::span<const int64_t> written_pages) {
+  // The generation each written page was pinned at: usually the pin lists exactly these
+  // pages in this order (a page-form save), else looked up.
+  const bool aligned = std::equal(written_pages.begin(), written_pages.end(),
+                                  pin.pages.begin(), pin.pages.end());
   absl::flat_hash_map<int64_t, uint64_t> pinned;  // page → the generation pinned
-  for (size_t i = 0; i < pin.pages.size(); ++i) pinned[pin.pages[i]] = pin.generations[i];
-  absl::MutexLock lock(&mu_);
+  if (!aligned) {
+    for (size_t i = 0; i < pin.pages.size(); ++i) pinned[pin.pages[i]] = pin.generations[i];
+  }
+  kvferry::MutexLock lock(&mu_);
   for (size_t i = 0; i < written_pages.size(); ++i) {
     const int64_t p = written_pages[i];
-    if (pages_[p].state == State::kAllocated && pinned.at(p) == pages_[p].generation) {
-      for (int64_t t = p * page_size_; t < (p + 1) * page_size_; ++t) MarkWritten(layers[i], t);
+    const uint64_t generation = aligned ? pin.generations[i] : pinned.at(p);
+    if (pages_[p].state == State::kAllocated && generation == pages_[p].generation) {
+      MarkPageWritten(layers[i], p);
     }
   }
   std::vector<int64_t> to_zero;
@@ -230,7 +262,7 @@ std::vector<int64_t> PageTable::UnpinWrittenPages(const Pin& pin, std::span<cons
 
 std::vector<int64_t> PageTable::WrittenSlots(int layer, std::span<const int64_t> pages) const {
   std::vector<int64_t> slots;
-  absl::ReaderMutexLock lock(&mu_);
+  kvferry::ReaderMutexLock lock(&mu_);
   for (size_t i = 0; i < pages.size(); ++i) {
     for (int s = 0; s < page_size_; ++s) {
       const int64_t bit = Bit(layer, pages[i] * page_size_ + s);
@@ -240,6 +272,64 @@ std::vector<int64_t> PageTable::WrittenSlots(int layer, std::span<const int64_t>
     }
   }
   return slots;
+}
+
+namespace {
+
+// Calls visit(word index, mask of the range's bits in it) for each 64-bit word that the bit
+// range [begin, end) touches, in order, until visit returns false.
+template <typename Visit>
+void ForEachWord(int64_t begin, int64_t end, Visit visit) {
+  for (int64_t b = begin; b < end;) {
+    const int64_t word_end = std::min(end, (b / 64 + 1) * 64);
+    const int width = static_cast<int>(word_end - b);
+    const uint64_t mask = (width == 64 ? ~uint64_t{0} : ((uint64_t{1} << width) - 1)) << (b % 64);
+    if (!visit(b / 64, mask)) return;
+    b = word_end;
+  }
+}
+
+}  // namespace
+
+std::vector<uint8_t> PageTable::PagesWithRecords(int layer, std::span<const int64_t> pages) const {
+  std::vector<uint8_t> any(pages.size(), 0);
+  kvferry::ReaderMutexLock lock(&mu_);
+  for (size_t i = 0; i < pages.size(); ++i) {
+    const int64_t begin = Bit(layer, pages[i] * page_size_);
+    ForEachWord(begin, begin + page_size_, [&](int64_t w, uint64_t mask)
+                                               ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      any[i] = (written_[w] & mask) != 0;
+      return !any[i];
+    });
+  }
+  return any;
+}
+
+void PageTable::MarkPageWritten(int layer, int64_t page) {
+  const int64_t token0 = page * page_size_;
+  const int64_t begin = Bit(layer, token0);
+  ForEachWord(begin, begin + page_size_, [&](int64_t w, uint64_t mask)
+                                             ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    uint64_t& word = written_[w];
+    uint64_t fresh = mask & ~word;  // bits newly set: their tokens gain a layer
+    word |= mask;
+    records_held_ += std::popcount(fresh);
+    const int64_t token_at_bit0 = token0 + (w * 64 - begin);  // token of bit 0 of word
+    if (fresh == ~uint64_t{0}) {  // 64 tokens gain a layer: a loop the compiler vectorizes
+      uint16_t* layers = slot_layers_.data() + token_at_bit0;
+      int64_t newly_held = 0;
+      for (int k = 0; k < 64; ++k) newly_held += layers[k] == 0;
+      for (int k = 0; k < 64; ++k) ++layers[k];
+      tokens_held_ += newly_held;
+      fresh = 0;
+    }
+    while (fresh != 0) {
+      const int64_t token = token_at_bit0 + std::countr_zero(fresh);
+      if (slot_layers_[token]++ == 0) ++tokens_held_;
+      fresh &= fresh - 1;
+    }
+    return true;
+  });
 }
 
 void PageTable::MarkWritten(int layer, int64_t token) {
@@ -265,12 +355,12 @@ void PageTable::ForgetRecords(int64_t page) {
 }
 
 void PageTable::MarkDeleted() {
-  absl::MutexLock lock(&mu_);
+  kvferry::MutexLock lock(&mu_);
   deleted_ = true;
 }
 
 PageTable::Counts PageTable::counts() const {
-  absl::ReaderMutexLock lock(&mu_);
+  kvferry::ReaderMutexLock lock(&mu_);
   Counts c;
   c.pages_free = static_cast<int64_t>(free_list_.size());
   c.pages_used = num_pages_ - c.pages_free;

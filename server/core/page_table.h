@@ -17,6 +17,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "kvferry/mutex.h"
 #include "core/types.h"
 
 namespace kvferry::server {
@@ -66,12 +67,17 @@ class PageTable {
   // FAILED_PRECONDITION / INVALID_ARGUMENT unless the handle names an allocated page of its
   // generation in this incarnation.
   absl::Status CheckHandle(const PageHandle& handle) const ABSL_LOCKS_EXCLUDED(mu_);
+  // The same for every handle, under one lock: the first failure, in list order.
+  absl::Status CheckHandles(std::span<const PageHandle> handles) const ABSL_LOCKS_EXCLUDED(mu_);
   // Token indices (page * page_size + slot) of the locations, every handle and slot checked.
   absl::StatusOr<std::vector<int64_t>> Resolve(std::span<const TokenLocation> locations) const
       ABSL_LOCKS_EXCLUDED(mu_);
   // For each token of the listed pages (in order, page_size each), whether `layer` holds a
   // record there: the indices i * page_size + slot that do.
   std::vector<int64_t> WrittenSlots(int layer, std::span<const int64_t> pages) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // For each listed page, whether `layer` holds a record in any of its slots (1) or none (0).
+  std::vector<uint8_t> PagesWithRecords(int layer, std::span<const int64_t> pages) const
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // After this, every PinPages fails with ABORTED (POOL_DELETED).
@@ -95,6 +101,8 @@ class PageTable {
 
   absl::Status CheckHandleLocked(const PageHandle& handle) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   void MarkWritten(int layer, int64_t token) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every slot of `page` in `layer`, a 64-bit word of occupancy bits at a time.
+  void MarkPageWritten(int layer, int64_t page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ForgetRecords(int64_t page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops the pin of one page; true when the page now waits only for zeroing.
   bool Release(int64_t page, bool exclusive) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -107,7 +115,7 @@ class PageTable {
   const int64_t num_tokens_;
   const uint64_t incarnation_;
 
-  mutable absl::Mutex mu_;
+  mutable kvferry::Mutex mu_;
   std::vector<Page> pages_ ABSL_GUARDED_BY(mu_);
   std::vector<int64_t> free_list_ ABSL_GUARDED_BY(mu_);
   int64_t reclaiming_ ABSL_GUARDED_BY(mu_) = 0;

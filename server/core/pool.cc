@@ -133,7 +133,7 @@ absl::Status Pool::CheckLayer(int64_t layer) const {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<PageHandle>> Pool::AllocatePages(int64_t count) {
+absl::StatusOr<std::vector<PageHandle>> Pool::AllocatePages(int64_t count, absl::Duration lease) {
   // Pages whose zeroing failed earlier get another try before they can be handed out.
   if (std::vector<int64_t> retry = table_.TakeUnzeroed(); !retry.empty()) {
     ZeroAndReclaim(std::move(retry)).IgnoreError();
@@ -147,11 +147,63 @@ absl::StatusOr<std::vector<PageHandle>> Pool::AllocatePages(int64_t count) {
       owner_->Refund(Resource::kPages, count);
     }
   }
+  if (pages.ok() && lease > absl::ZeroDuration()) {
+    const absl::Time expiry = absl::Now() + lease;
+    kvferry::MutexLock lock(&lease_mu_);
+    for (const PageHandle& h : *pages) leases_[h.page_id] = Lease{h.generation, lease, expiry};
+  }
   return pages;
+}
+
+void Pool::RenewLeases(std::span<const PageHandle> pages) {
+  const absl::Time now = absl::Now();
+  kvferry::MutexLock lock(&lease_mu_);
+  if (leases_.empty()) return;
+  for (const PageHandle& h : pages) {
+    auto it = leases_.find(h.page_id);
+    if (it != leases_.end() && it->second.generation == h.generation) {
+      it->second.expiry = now + it->second.length;
+    }
+  }
+}
+
+absl::Status Pool::Renew(std::span<const PageHandle> pages) {
+  for (const PageHandle& h : pages) KVF_RETURN_IF_ERROR(table_.CheckHandle(h));
+  RenewLeases(pages);
+  return absl::OkStatus();
+}
+
+int64_t Pool::ExpireLeases(absl::Time now) {
+  std::vector<PageHandle> expired;
+  {
+    kvferry::MutexLock lock(&lease_mu_);
+    for (const auto& [page, lease] : leases_) {
+      if (lease.expiry <= now) expired.push_back(PageHandle{page, lease.generation});
+    }
+  }
+  int64_t freed = 0;
+  for (const PageHandle& h : expired) {
+    // One at a time: a page its client freed meanwhile (stale) must not keep the others.
+    if (FreePages(std::span<const PageHandle>(&h, 1)).ok()) ++freed;
+    kvferry::MutexLock lock(&lease_mu_);
+    auto it = leases_.find(h.page_id);
+    if (it != leases_.end() && it->second.generation == h.generation) leases_.erase(it);
+  }
+  return freed;
 }
 
 absl::Status Pool::FreePages(std::span<const PageHandle> pages) {
   KVF_ASSIGN_OR_RETURN(std::vector<int64_t> to_zero, table_.Free(pages));
+  {
+    kvferry::MutexLock lock(&lease_mu_);
+    if (!leases_.empty()) {
+      for (const PageHandle& h : pages) {
+        // Only this handle's lease: the page may already be allocated again.
+        auto it = leases_.find(h.page_id);
+        if (it != leases_.end() && it->second.generation == h.generation) leases_.erase(it);
+      }
+    }
+  }
   // Freed from here on, whatever the zeroing does: the page table holds back unzeroed pages.
   if (owner_ != nullptr) {
     charged_pages_ -= static_cast<int64_t>(pages.size());

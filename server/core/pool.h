@@ -16,6 +16,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/time/time.h"
+#include "kvferry/mutex.h"
 #include "backend/backend.h"
 #include "core/page_table.h"
 #include "core/tenant.h"
@@ -51,8 +55,19 @@ class Pool : public std::enable_shared_from_this<Pool> {
   PoolStats Stats() const;
 
   // All or nothing: POOL_FULL when fewer than `count` pages are free, QUOTA_EXCEEDED when
-  // the owner may not hold `count` more pages.
-  absl::StatusOr<std::vector<PageHandle>> AllocatePages(int64_t count);
+  // the owner may not hold `count` more pages. `lease` > 0: the pages are leased, freed by
+  // ExpireLeases() once nothing renewed them (RenewLeases, Renew) for that long; zero: plain
+  // pages, kept until FreePages.
+  absl::StatusOr<std::vector<PageHandle>> AllocatePages(int64_t count,
+                                                        absl::Duration lease = absl::ZeroDuration());
+  // Renews the leases of the pages named (by a read or a write); plain pages and stale
+  // handles are passed over (the read or write reports those itself).
+  void RenewLeases(std::span<const PageHandle> pages) ABSL_LOCKS_EXCLUDED(lease_mu_);
+  // Checks every handle (FAILED_PRECONDITION for a stale one: nothing renewed), then renews
+  // the leased ones.
+  absl::Status Renew(std::span<const PageHandle> pages) ABSL_LOCKS_EXCLUDED(lease_mu_);
+  // Frees the pages whose lease ran out by `now` (as FreePages); returns how many.
+  int64_t ExpireLeases(absl::Time now) ABSL_LOCKS_EXCLUDED(lease_mu_);
   // Checks every handle first (any stale or repeated: none is freed). Each page reads as
   // zeros in every layer before it is handed out again: zeroed on the device now, or, if a
   // read or write still uses it, when that one finishes. If the zeroing fails (INTERNAL,
@@ -95,6 +110,13 @@ class Pool : public std::enable_shared_from_this<Pool> {
   OpObserver* const observer_;
   const std::shared_ptr<TenantAccount> owner_;
   std::atomic<int64_t> charged_pages_{0};  // pages charged to owner_, refunded when freed
+  struct Lease {
+    uint64_t generation;  // of the handle leased: a later allocation of the page is another
+    absl::Duration length;
+    absl::Time expiry;
+  };
+  kvferry::Mutex lease_mu_;
+  absl::flat_hash_map<uint64_t, Lease> leases_ ABSL_GUARDED_BY(lease_mu_);  // by page id
   Buffer memory_;  // [num_layers][num_pages][page_bytes]
   PageTable table_;
 };

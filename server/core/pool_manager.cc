@@ -24,20 +24,49 @@ PoolManager::PoolManager(PoolManagerOptions options) : options_(std::move(option
   // Incarnations start at a random point per daemon lifetime, so that a handle kept across
   // a restart is (almost surely) refused by a new pool of the same name as well.
   std::random_device random;
-  absl::MutexLock lock(&mu_);
+  kvferry::MutexLock lock(&mu_);
   next_incarnation_ = 1 + random() % (kMaxIncarnation - 1);
+  if (options_.lease_check_period > absl::ZeroDuration()) {
+    lease_thread_ = std::thread([this] { ExpireLeases(); });
+  }
+}
+
+PoolManager::~PoolManager() {
+  {
+    kvferry::MutexLock lock(&mu_);
+    stop_ = true;
+  }
+  if (lease_thread_.joinable()) lease_thread_.join();
+}
+
+void PoolManager::ExpireLeases() {
+  while (true) {
+    {
+      kvferry::MutexLock lock(&mu_);
+      if (mu_.AwaitWithTimeout(kvferry::Condition(this, &PoolManager::stopping),
+                               options_.lease_check_period)) {
+        return;
+      }
+    }
+    const absl::Time now = absl::Now();
+    for (const std::shared_ptr<Pool>& pool : List()) {
+      if (const int64_t freed = pool->ExpireLeases(now); freed > 0) {
+        log::Info("lease expired: {} pages of pool {} freed", freed, log::Quoted(pool->config().name));
+      }
+    }
+  }
 }
 
 absl::StatusOr<std::shared_ptr<Backend>> PoolManager::BackendFor(const std::string& device) {
   {
-    absl::MutexLock lock(&mu_);
+    kvferry::MutexLock lock(&mu_);
     auto it = backends_.find(device);
     if (it != backends_.end()) return it->second;
   }
   KVF_ASSIGN_OR_RETURN(std::shared_ptr<Backend> backend,
                        options_.make_backend ? options_.make_backend(device)
                                               : MakeBackend(device, options_.backend));
-  absl::MutexLock lock(&mu_);
+  kvferry::MutexLock lock(&mu_);
   return backends_.try_emplace(device, std::move(backend)).first->second;
 }
 
@@ -47,7 +76,7 @@ absl::StatusOr<std::shared_ptr<Pool>> PoolManager::Create(
   const Key key{owner->name(), config.name};
   uint64_t incarnation;
   {
-    absl::MutexLock lock(&mu_);
+    kvferry::MutexLock lock(&mu_);
     if (!pools_.try_emplace(key, nullptr).second) {
       return Error(absl::StatusCode::kAlreadyExists, ErrorReason::kPoolExists,
                    absl::StrCat("pool '", config.name, "' already exists"));
@@ -61,7 +90,7 @@ absl::StatusOr<std::shared_ptr<Pool>> PoolManager::Create(
                          BackendFor(device.empty() ? options_.default_device : device));
     return Pool::Create(config, std::move(backend), incarnation, options_.observer, owner);
   }();
-  absl::MutexLock lock(&mu_);
+  kvferry::MutexLock lock(&mu_);
   if (!pool.ok()) {
     pools_.erase(key);
     return pool.status();
@@ -72,7 +101,7 @@ absl::StatusOr<std::shared_ptr<Pool>> PoolManager::Create(
 
 absl::StatusOr<std::shared_ptr<Pool>> PoolManager::Get(const TenantAccount& owner,
                                                        const std::string& name) const {
-  absl::ReaderMutexLock lock(&mu_);
+  kvferry::ReaderMutexLock lock(&mu_);
   auto it = pools_.find(Key{owner.name(), name});
   if (it == pools_.end() || it->second == nullptr) return NotFound(name);
   return it->second;
@@ -81,7 +110,7 @@ absl::StatusOr<std::shared_ptr<Pool>> PoolManager::Get(const TenantAccount& owne
 absl::Status PoolManager::Delete(const TenantAccount& owner, const std::string& name) {
   std::shared_ptr<Pool> dropped;  // freed outside the lock, when its last user finishes
   {
-    absl::MutexLock lock(&mu_);
+    kvferry::MutexLock lock(&mu_);
     auto it = pools_.find(Key{owner.name(), name});
     if (it == pools_.end() || it->second == nullptr) return NotFound(name);
     dropped = std::move(it->second);
@@ -95,7 +124,7 @@ absl::Status PoolManager::Delete(const TenantAccount& owner, const std::string& 
 std::vector<std::shared_ptr<Pool>> PoolManager::List() const {
   std::vector<std::shared_ptr<Pool>> pools;
   {
-    absl::ReaderMutexLock lock(&mu_);
+    kvferry::ReaderMutexLock lock(&mu_);
     for (const auto& [key, pool] : pools_) {
       if (pool != nullptr) pools.push_back(pool);
     }
@@ -135,7 +164,7 @@ DaemonStats PoolManager::StatsOf(const std::vector<std::shared_ptr<Pool>>& pools
 void PoolManager::Clear() {
   absl::flat_hash_map<Key, std::shared_ptr<Pool>> dropped;
   {
-    absl::MutexLock lock(&mu_);
+    kvferry::MutexLock lock(&mu_);
     dropped.swap(pools_);
   }
   for (auto& [key, pool] : dropped) {

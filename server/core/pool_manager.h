@@ -4,12 +4,15 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "absl/synchronization/mutex.h"
+#include "kvferry/mutex.h"
 #include "core/pool.h"
 #include "core/tenant.h"
 
@@ -24,6 +27,8 @@ struct PoolManagerOptions {
   BackendOptions backend;
   // Makes the backend of a device; default MakeBackend (tests inject faults here).
   std::function<absl::StatusOr<std::shared_ptr<Backend>>(const std::string&)> make_backend;
+  // How often leased pages past their lease are freed; zero: never (no thread).
+  absl::Duration lease_check_period = absl::Milliseconds(500);
 };
 
 // Thread-safe. Creating a pool (device allocation and zero-fill) holds no lock that other
@@ -37,6 +42,7 @@ struct PoolManagerOptions {
 class PoolManager {
  public:
   explicit PoolManager(PoolManagerOptions options);
+  ~PoolManager();
 
   // INVALID_ARGUMENT (name, shape, device), ALREADY_EXISTS (the owner has a pool of that
   // name), RESOURCE_EXHAUSTED (memory, or the owner's quota: QUOTA_EXCEEDED).
@@ -68,13 +74,19 @@ class PoolManager {
   using Key = std::pair<std::string, std::string>;
   DaemonStats StatsOf(const std::vector<std::shared_ptr<Pool>>& pools) const;
 
+  // Frees expired leases of every pool each lease_check_period until stop_.
+  void ExpireLeases() ABSL_LOCKS_EXCLUDED(mu_);
+  bool stopping() const ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stop_; }
+
   std::function<void(const Pool&)> on_delete_;
   const PoolManagerOptions options_;
-  mutable absl::Mutex mu_;
+  mutable kvferry::Mutex mu_;
   // A key maps to null while its pool is being created.
   absl::flat_hash_map<Key, std::shared_ptr<Pool>> pools_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::shared_ptr<Backend>> backends_ ABSL_GUARDED_BY(mu_);
   uint64_t next_incarnation_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::thread lease_thread_;
 };
 
 }  // namespace kvferry::server

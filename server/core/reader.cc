@@ -263,6 +263,7 @@ absl::StatusOr<std::unique_ptr<Reader>> ReadPages(std::shared_ptr<Pool> pool,
                  "unknown output layout");
   }
   for (const PageHandle& h : pages) KVF_RETURN_IF_ERROR(pool->table().CheckHandle(h));
+  pool->RenewLeases(pages);
   const int64_t out_page = OutputPageBytes(*pool, transcode_to);
   const int64_t units = static_cast<int64_t>(pages.size() * layers.size());
   const int64_t per_batch = std::clamp<int64_t>(batch_bytes / out_page, 1, std::max<int64_t>(units, 1));
@@ -275,6 +276,10 @@ absl::StatusOr<std::unique_ptr<Reader>> ReadWorkspace(std::shared_ptr<Pool> pool
                                                       int64_t batch_bytes) {
   KVF_RETURN_IF_ERROR(pool->CheckLayer(layer));
   KVF_ASSIGN_OR_RETURN(std::vector<int64_t> tokens, pool->table().Resolve(locations));
+  std::vector<PageHandle> named;
+  named.reserve(locations.size());
+  for (const TokenLocation& l : locations) named.push_back(l.page);
+  pool->RenewLeases(named);
   const int64_t per_batch = std::clamp<int64_t>(batch_bytes / kBf16RowBytes, 1,
                                                 std::max<int64_t>(static_cast<int64_t>(tokens.size()), 1));
   return std::unique_ptr<Reader>(new WorkspaceReader(std::move(pool), static_cast<int>(layer),

@@ -47,22 +47,30 @@ absl::Status PagePairs(const TransferRequest& r, const KvTensorSpec& spec, Pool&
                               page_size));
   }
   const size_t n = r.pages.size();
+  for (size_t i = 0; i < n; ++i) {
+    if (r.tensor_blocks[i] >= spec.num_blocks) {
+      return Invalid(ErrorReason::kBlockOutOfRange,
+                     absl::StrCat("block ", r.tensor_blocks[i], " is outside ", spec.num_blocks,
+                                  " blocks"));
+    }
+  }
+  KVF_RETURN_IF_ERROR(pool.table().CheckHandles(r.pages));
+  // A save writes each page once; a load writes each block once. Both are in range now: a
+  // bitmap finds repeats (a page-form transfer names thousands).
+  const uint64_t range = save ? static_cast<uint64_t>(pool.config().num_pages) : spec.num_blocks;
+  std::vector<uint64_t> seen((range + 63) / 64, 0);
   blocks->resize(n);
   page_ids->resize(n);
-  absl::flat_hash_set<uint64_t> seen;
   for (size_t i = 0; i < n; ++i) {
     const uint64_t block = r.tensor_blocks[i];
-    if (block >= spec.num_blocks) {
-      return Invalid(ErrorReason::kBlockOutOfRange,
-                     absl::StrCat("block ", block, " is outside ", spec.num_blocks, " blocks"));
-    }
-    KVF_RETURN_IF_ERROR(pool.table().CheckHandle(r.pages[i]));
-    // A save writes each page once; a load writes each block once.
     const uint64_t written = save ? r.pages[i].page_id : block;
-    if (!seen.insert(written).second) {
+    uint64_t& word = seen[written / 64];
+    const uint64_t bit = uint64_t{1} << (written % 64);
+    if ((word & bit) != 0) {
       return Invalid(ErrorReason::kDuplicatePage,
                      absl::StrCat(save ? "page " : "block ", written, " is listed twice"));
     }
+    word |= bit;
     (*blocks)[i] = static_cast<int64_t>(block);
     (*page_ids)[i] = static_cast<int64_t>(r.pages[i].page_id);
   }
@@ -93,7 +101,7 @@ struct SessionManager::Session {
   uint64_t* words = nullptr;
   uint32_t slots = 0;
 
-  absl::Mutex mu;
+  kvferry::Mutex mu;
   bool closed ABSL_GUARDED_BY(mu) = false;
   absl::flat_hash_map<uint64_t, std::shared_ptr<Tensor>> tensors ABSL_GUARDED_BY(mu);
   struct Export {
@@ -101,7 +109,7 @@ struct SessionManager::Session {
   };
   absl::flat_hash_map<uint64_t, Export> exports ABSL_GUARDED_BY(mu);
   std::vector<std::pair<std::weak_ptr<Pool>, std::vector<PageHandle>>> pages ABSL_GUARDED_BY(mu);
-  std::deque<std::string> revocations ABSL_GUARDED_BY(mu);
+  std::deque<Revocation> revocations ABSL_GUARDED_BY(mu);
 
   ~Session() {
     if (words != nullptr) munmap(words, slots * sizeof(uint64_t));
@@ -122,7 +130,7 @@ SessionManager::SessionManager(PoolManager* pools, TransferObserver* observer)
 
 SessionManager::~SessionManager() {
   {
-    absl::MutexLock lock(&jobs_mu_);
+    kvferry::MutexLock lock(&jobs_mu_);
     stopping_ = true;
   }
   completer_.join();
@@ -132,8 +140,8 @@ void SessionManager::CompletionLoop() {
   while (true) {
     std::function<void()> job;
     {
-      absl::MutexLock lock(&jobs_mu_);
-      jobs_mu_.Await(absl::Condition(
+      kvferry::MutexLock lock(&jobs_mu_);
+      jobs_mu_.Await(kvferry::Condition(
           +[](SessionManager* m) ABSL_NO_THREAD_SAFETY_ANALYSIS {
             return !m->jobs_.empty() || m->stopping_;
           },
@@ -148,7 +156,7 @@ void SessionManager::CompletionLoop() {
 
 void SessionManager::Complete(std::shared_ptr<Session> session, AsyncSlot slot,
                               std::function<absl::Status()> finish) {
-  absl::MutexLock lock(&jobs_mu_);
+  kvferry::MutexLock lock(&jobs_mu_);
   jobs_.push_back([session = std::move(session), slot, finish = std::move(finish)] {
     session->SetWord(slot, finish().ok() ? kWordDone : kWordFailed);
   });
@@ -167,7 +175,7 @@ absl::StatusOr<SessionManager::Opened> SessionManager::Open(std::shared_ptr<Tena
   session->worker = worker.substr(0, 64);
   session->device = absl::StrCat("cuda:", device);
   {
-    absl::MutexLock lock(&mu_);
+    kvferry::MutexLock lock(&mu_);
     session->id = next_session_++;
   }
   session->slots = slots;
@@ -190,7 +198,7 @@ absl::StatusOr<SessionManager::Opened> SessionManager::Open(std::shared_ptr<Tena
                  absl::StrCat("mapping the completion area: ", std::strerror(errno)));
   }
   session->words = static_cast<uint64_t*>(map);
-  absl::MutexLock lock(&mu_);
+  kvferry::MutexLock lock(&mu_);
   sessions_[session->id] = session;
   return Opened{session->id, session->shm_name, slots};
 }
@@ -198,7 +206,7 @@ absl::StatusOr<SessionManager::Opened> SessionManager::Open(std::shared_ptr<Tena
 void SessionManager::Close(uint64_t session_id) {
   std::shared_ptr<Session> session;
   {
-    absl::MutexLock lock(&mu_);
+    kvferry::MutexLock lock(&mu_);
     auto it = sessions_.find(session_id);
     if (it == sessions_.end()) return;
     session = std::move(it->second);
@@ -206,7 +214,7 @@ void SessionManager::Close(uint64_t session_id) {
   }
   std::vector<std::pair<std::weak_ptr<Pool>, std::vector<PageHandle>>> pages;
   {
-    absl::MutexLock lock(&session->mu);
+    kvferry::MutexLock lock(&session->mu);
     session->closed = true;
     session->tensors.clear();   // mappings close once running work lets go of them
     session->exports.clear();   // a deleted pool's memory goes with its last export
@@ -221,23 +229,23 @@ void SessionManager::Close(uint64_t session_id) {
   }
 }
 
-std::optional<std::string> SessionManager::NextRevocation(uint64_t session_id) {
+std::optional<Revocation> SessionManager::NextRevocation(uint64_t session_id) {
   absl::StatusOr<std::shared_ptr<Session>> found = Find(session_id, nullptr);
   if (!found.ok()) return std::nullopt;
   Session& s = **found;
-  absl::MutexLock lock(&s.mu);
-  s.mu.Await(absl::Condition(
+  kvferry::MutexLock lock(&s.mu);
+  s.mu.Await(kvferry::Condition(
       +[](Session* x) ABSL_NO_THREAD_SAFETY_ANALYSIS { return x->closed || !x->revocations.empty(); },
       &s));
   if (s.revocations.empty()) return std::nullopt;
-  std::string r = std::move(s.revocations.front());
+  Revocation r = std::move(s.revocations.front());
   s.revocations.pop_front();
   return r;
 }
 
 absl::StatusOr<std::shared_ptr<SessionManager::Session>> SessionManager::Find(
     uint64_t id, const TenantAccount* caller) const {
-  absl::ReaderMutexLock lock(&mu_);
+  kvferry::ReaderMutexLock lock(&mu_);
   auto it = sessions_.find(id);
   // Another tenant's session is as absent as one nobody opened.
   if (it == sessions_.end() || (caller != nullptr && it->second->owner.get() != caller)) {
@@ -304,12 +312,12 @@ absl::StatusOr<std::vector<uint64_t>> SessionManager::Register(
     made.push_back(std::move(tensor));
   }
   std::vector<uint64_t> ids;
-  absl::MutexLock lock(&session->mu);
+  kvferry::MutexLock lock(&session->mu);
   if (session->closed) return ClosedError(session_id);
   for (auto& t : made) {
     uint64_t id;
     {
-      absl::MutexLock l(&mu_);
+      kvferry::MutexLock l(&mu_);
       id = next_tensor_++;
     }
     session->tensors[id] = std::move(t);
@@ -330,7 +338,7 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
   KVF_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(r.session_id, r.caller));
   std::shared_ptr<Tensor> tensor;
   {
-    absl::MutexLock lock(&session->mu);
+    kvferry::MutexLock lock(&session->mu);
     auto it = session->tensors.find(r.tensor_id);
     if (it == session->tensors.end()) {
       return Error(absl::StatusCode::kNotFound, ErrorReason::kTensorNotFound,
@@ -464,9 +472,9 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
       // Pages that already hold records of this layer are backed up, so that a row found
       // NaN or Inf by the kernel can be undone; fresh pages are zeroed back instead.
       std::vector<int64_t> backup, fresh;
-      for (int64_t p : pin.pages) {
-        const int64_t flat = r.layer * g.num_pages + p;
-        (pool->table().WrittenSlots(static_cast<int>(r.layer), {&p, 1}).empty() ? fresh : backup).push_back(flat);
+      const std::vector<uint8_t> held = pool->table().PagesWithRecords(static_cast<int>(r.layer), pin.pages);
+      for (size_t i = 0; i < pin.pages.size(); ++i) {
+        (held[i] ? backup : fresh).push_back(r.layer * g.num_pages + pin.pages[i]);
       }
       const int64_t at_locs = AlignUp(n * 8, 256), at_flag = at_locs + AlignUp(n * 8, 256);
       const int64_t at_backup_ids = at_flag + 256, at_fresh_ids = at_backup_ids + AlignUp(backup.size() * 8 + 8, 256);
@@ -662,10 +670,10 @@ absl::StatusOr<PoolExport> SessionManager::MapPool(uint64_t session_id, const Te
   out.layer_bytes = pool->geometry().pool_bytes();
   out.pool = pool->Stats();
   {
-    absl::MutexLock lock(&mu_);
+    kvferry::MutexLock lock(&mu_);
     out.export_id = next_export_++;
   }
-  absl::MutexLock lock(&session->mu);
+  kvferry::MutexLock lock(&session->mu);
   if (session->closed) return ClosedError(session_id);
   session->exports[out.export_id] = Session::Export{std::move(pool)};
   return out;
@@ -674,7 +682,7 @@ absl::StatusOr<PoolExport> SessionManager::MapPool(uint64_t session_id, const Te
 absl::Status SessionManager::UnmapPool(uint64_t session_id, const TenantAccount& caller,
                                        uint64_t export_id) {
   KVF_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(session_id, &caller));
-  absl::MutexLock lock(&session->mu);
+  kvferry::MutexLock lock(&session->mu);
   if (session->exports.erase(export_id) == 0) {
     return Error(absl::StatusCode::kNotFound, ErrorReason::kExportNotFound,
                  absl::StrCat("session ", session_id, " has no export ", export_id));
@@ -686,7 +694,7 @@ absl::Status SessionManager::AdoptPages(uint64_t session_id, const TenantAccount
                                         const std::shared_ptr<Pool>& pool,
                                         std::span<const PageHandle> pages) {
   KVF_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(session_id, &caller));
-  absl::MutexLock lock(&session->mu);
+  kvferry::MutexLock lock(&session->mu);
   // Closing already took the session's pages: the caller frees these.
   if (session->closed) return ClosedError(session_id);
   session->pages.emplace_back(pool, std::vector<PageHandle>(pages.begin(), pages.end()));
@@ -696,14 +704,15 @@ absl::Status SessionManager::AdoptPages(uint64_t session_id, const TenantAccount
 void SessionManager::PoolDeleted(const Pool& pool) {
   std::vector<std::shared_ptr<Session>> all;
   {
-    absl::ReaderMutexLock lock(&mu_);
+    kvferry::ReaderMutexLock lock(&mu_);
     for (auto& [id, s] : sessions_) all.push_back(s);
   }
   for (auto& s : all) {
-    absl::MutexLock lock(&s->mu);
+    kvferry::MutexLock lock(&s->mu);
     for (auto& [id, e] : s->exports) {
       if (e.pool.get() == &pool) {
-        s->revocations.push_back(absl::StrCat(id, " pool '", pool.config().name, "' was deleted"));
+        s->revocations.push_back(
+            Revocation{id, absl::StrCat("pool '", pool.config().name, "' was deleted")});
       }
     }
   }
@@ -712,13 +721,13 @@ void SessionManager::PoolDeleted(const Pool& pool) {
 SessionCounts SessionManager::Counts() const {
   std::vector<std::shared_ptr<Session>> all;
   {
-    absl::ReaderMutexLock lock(&mu_);
+    kvferry::ReaderMutexLock lock(&mu_);
     for (auto& [id, s] : sessions_) all.push_back(s);
   }
   SessionCounts c;
   c.sessions = static_cast<int64_t>(all.size());
   for (auto& s : all) {
-    absl::MutexLock lock(&s->mu);
+    kvferry::MutexLock lock(&s->mu);
     c.tensors += static_cast<int64_t>(s->tensors.size());
     c.exports += static_cast<int64_t>(s->exports.size());
     for (auto& [id, t] : s->tensors) c.registered_bytes += static_cast<int64_t>(t->bytes());

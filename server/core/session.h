@@ -22,6 +22,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "kvferry/mutex.h"
 #include "core/pool_manager.h"
 #include "core/tenant.h"
 
@@ -79,6 +80,12 @@ struct PoolExport {
   PoolStats pool;
 };
 
+// An export the daemon took back (its pool was deleted), for the session's event stream.
+struct Revocation {
+  uint64_t export_id = 0;
+  std::string reason;
+};
+
 struct SessionCounts {
   int64_t sessions = 0;
   int64_t tensors = 0;
@@ -112,7 +119,7 @@ class SessionManager {
   void Close(uint64_t session_id);
   // Events for the session's stream (export revocations): blocks until one is there or the
   // session is closed (then nullopt).
-  std::optional<std::string> NextRevocation(uint64_t session_id);
+  std::optional<Revocation> NextRevocation(uint64_t session_id);
 
   absl::StatusOr<std::vector<uint64_t>> Register(uint64_t session_id, const TenantAccount& caller,
                                                  std::span<const KvTensorSpec> tensors);
@@ -146,14 +153,14 @@ class SessionManager {
 
   PoolManager* const pools_;
   TransferObserver* const observer_;
-  mutable absl::Mutex mu_;
+  mutable kvferry::Mutex mu_;
   absl::flat_hash_map<uint64_t, std::shared_ptr<Session>> sessions_ ABSL_GUARDED_BY(mu_);
   uint64_t next_session_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_tensor_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_export_ ABSL_GUARDED_BY(mu_) = 1;
 
   // Asynchronous completions, in submission order, on one thread.
-  absl::Mutex jobs_mu_;
+  kvferry::Mutex jobs_mu_;
   std::deque<std::function<void()>> jobs_ ABSL_GUARDED_BY(jobs_mu_);
   bool stopping_ ABSL_GUARDED_BY(jobs_mu_) = false;
   std::thread completer_;

@@ -218,6 +218,7 @@ absl::StatusOr<int64_t> StagedWrite::CommitRows() {
   pool_->Unpin(pin, stored.ok() ? layer_ : -1, stored.ok() ? std::span<const int64_t>(tokens_)
                                                            : std::span<const int64_t>());
   KVF_RETURN_IF_ERROR(stored);
+  pool_->RenewLeases(handles);
   return n;
 }
 
@@ -261,6 +262,7 @@ absl::StatusOr<int64_t> StagedWrite::CommitPages() {
     pool_->Unpin(pin);
   }
   KVF_RETURN_IF_ERROR(stored);
+  pool_->RenewLeases(handles);
   return n;
 }
 

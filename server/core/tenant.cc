@@ -3,6 +3,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/errors.h"
+#include "kvferry/kernels/status_macros.h"
 
 namespace kvferry::server {
 
@@ -17,33 +18,75 @@ const char* ResourceName(Resource resource) {
   return "unknown";
 }
 
+std::shared_ptr<TenantAccount> TenantAccount::DaemonWide(TenantQuota budget,
+                                                        RefusalObserver on_refusal) {
+  auto account = std::make_shared<TenantAccount>("", budget, nullptr, budget, std::move(on_refusal));
+  account->daemon_wide_ = true;
+  return account;
+}
+
 void TenantAccount::SetQuota(const TenantQuota& quota) {
-  absl::MutexLock lock(&mu_);
-  quota_ = quota;
+  TenantQuota merged = quota;
+  for (int i = 0; i < kNumResources; ++i) {
+    if (merged.limit[i] == TenantQuota::kUnlimited) merged.limit[i] = defaults_.limit[i];
+  }
+  kvferry::MutexLock lock(&mu_);
+  quota_ = merged;
+}
+
+absl::Status TenantAccount::ChargeOwn(Resource resource, int64_t amount) {
+  const int i = static_cast<int>(resource);
+  int64_t in_use = 0, limit = 0;
+  {
+    kvferry::MutexLock lock(&mu_);
+    // Written so that no sum can overflow: the limit may be kUnlimited.
+    if (amount <= quota_.limit[i] && used_[i] <= quota_.limit[i] - amount) {
+      used_[i] += amount;
+      return absl::OkStatus();
+    }
+    in_use = used_[i];
+    limit = quota_.limit[i];
+  }
+  if (on_refusal_) on_refusal_(resource, daemon_wide_);
+  if (daemon_wide_) {
+    return Error(absl::StatusCode::kResourceExhausted, ErrorReason::kDaemonBudgetExhausted,
+                 absl::StrCat("daemon budget exhausted: ", ResourceName(resource), " in use ",
+                              in_use, " by all clients, asked ", amount, ", budget ", limit,
+                              "; nothing was allocated, retry later"));
+  }
+  return Error(absl::StatusCode::kResourceExhausted, ErrorReason::kQuotaExceeded,
+               absl::StrCat("quota exceeded: ", ResourceName(resource), " in use ", in_use,
+                            ", asked ", amount, ", limit ", limit, "; free some to continue"));
 }
 
 absl::Status TenantAccount::Charge(Resource resource, int64_t amount) {
-  const int i = static_cast<int>(resource);
-  absl::MutexLock lock(&mu_);
-  // Written so that no sum can overflow: the limit may be kUnlimited.
-  if (amount > quota_.limit[i] || used_[i] > quota_.limit[i] - amount) {
-    return Error(
-        absl::StatusCode::kResourceExhausted, ErrorReason::kQuotaExceeded,
-        absl::StrCat("quota exceeded: ", ResourceName(resource), " in use ", used_[i], ", asked ",
-                     amount, ", limit ", quota_.limit[i], "; free some to continue"));
+  KVF_RETURN_IF_ERROR(ChargeOwn(resource, amount));
+  if (daemon_ != nullptr) {
+    if (absl::Status s = daemon_->Charge(resource, amount); !s.ok()) {
+      kvferry::MutexLock lock(&mu_);
+      used_[static_cast<int>(resource)] -= amount;
+      return s;
+    }
   }
-  used_[i] += amount;
   return absl::OkStatus();
 }
 
 void TenantAccount::Refund(Resource resource, int64_t amount) {
-  absl::MutexLock lock(&mu_);
-  used_[static_cast<int>(resource)] -= amount;
+  {
+    kvferry::MutexLock lock(&mu_);
+    used_[static_cast<int>(resource)] -= amount;
+  }
+  if (daemon_ != nullptr) daemon_->Refund(resource, amount);
 }
 
 int64_t TenantAccount::used(Resource resource) const {
-  absl::MutexLock lock(&mu_);
+  kvferry::MutexLock lock(&mu_);
   return used_[static_cast<int>(resource)];
+}
+
+int64_t TenantAccount::limit(Resource resource) const {
+  kvferry::MutexLock lock(&mu_);
+  return quota_.limit[static_cast<int>(resource)];
 }
 
 absl::StatusOr<ScopedCharge> ScopedCharge::Take(std::shared_ptr<TenantAccount> account,
@@ -72,10 +115,17 @@ ScopedCharge::~ScopedCharge() {
   if (account_) account_->Refund(resource_, amount_);
 }
 
+TenantRegistry::TenantRegistry(TenantLimits limits)
+    : limits_(std::move(limits)),
+      daemon_(TenantAccount::DaemonWide(limits_.daemon, limits_.on_refusal)) {}
+
 std::shared_ptr<TenantAccount> TenantRegistry::Get(const std::string& name) {
-  absl::MutexLock lock(&mu_);
+  kvferry::MutexLock lock(&mu_);
   std::shared_ptr<TenantAccount>& account = accounts_[name];
-  if (account == nullptr) account = std::make_shared<TenantAccount>(name);
+  if (account == nullptr) {
+    account = std::make_shared<TenantAccount>(name, limits_.per_tenant, daemon_,
+                                              limits_.per_tenant, limits_.on_refusal);
+  }
   return account;
 }
 

@@ -47,20 +47,20 @@ void Header(std::string& out, const std::string& name, const std::string& help, 
 }  // namespace
 
 void CounterFamily::Add(const std::vector<std::string>& values, double amount) {
-  absl::MutexLock lock(&mu_);
+  kvferry::MutexLock lock(&mu_);
   values_[values] += amount;
 }
 
 void CounterFamily::Render(std::string& out) const {
   Header(out, name_, help_, "counter");
-  absl::MutexLock lock(&mu_);
+  kvferry::MutexLock lock(&mu_);
   for (const auto& [labels, value] : values_) {
     absl::StrAppend(&out, name_, LabelText(labels_, labels), " ", Number(value), "\n");
   }
 }
 
 void HistogramFamily::Observe(const std::vector<std::string>& values, double x) {
-  absl::MutexLock lock(&mu_);
+  kvferry::MutexLock lock(&mu_);
   Series& s = series_[values];
   if (s.buckets.empty()) s.buckets.assign(bounds_.size(), 0);
   for (size_t i = 0; i < bounds_.size(); ++i) {
@@ -75,7 +75,7 @@ void HistogramFamily::Observe(const std::vector<std::string>& values, double x) 
 
 void HistogramFamily::Render(std::string& out) const {
   Header(out, name_, help_, "histogram");
-  absl::MutexLock lock(&mu_);
+  kvferry::MutexLock lock(&mu_);
   for (const auto& [labels, s] : series_) {
     uint64_t cumulative = 0;
     for (size_t i = 0; i < bounds_.size(); ++i) {
@@ -116,7 +116,15 @@ DaemonMetrics::DaemonMetrics(std::function<std::vector<PoolStats>()> pools)
                       {"method"}),
       bytes_sent_("kvferry_bytes_sent_total", "Response message bytes by method.", {"method"}),
       kernel_seconds_("kvferry_kernel_seconds", "Device op time by op and layout, in seconds.",
-                      {"op", "layout"}, LatencyBounds()) {}
+                      {"op", "layout"}, LatencyBounds()),
+      refusals_("kvferry_refusals_total",
+                "Requests refused or streams ended by a budget, quota or time bound, by reason "
+                "and resource.",
+                {"reason", "resource"}) {}
+
+void DaemonMetrics::RecordRefusal(const std::string& reason, const std::string& resource) {
+  refusals_.Add({reason, resource}, 1);
+}
 
 void DaemonMetrics::RecordRpc(const std::string& method, const std::string& code,
                               const std::string& reason, double seconds) {
@@ -198,6 +206,45 @@ std::string DaemonMetrics::Render() const {
           c.registered_bytes);
     gauge("kvferry_session_pool_exports", "Pools exported to open sessions.", c.exports);
   }
+  if (cache_) {
+    const CacheCounts c = cache_();
+    auto one = [&](const char* name, const char* help, const char* type, int64_t value) {
+      Header(out, name, help, type);
+      absl::StrAppend(&out, name, " ", value, "\n");
+    };
+    one("kvferry_cache_lookups_total", "Cache lookups.", "counter", c.lookups);
+    one("kvferry_cache_requested_tokens_total",
+        "Prompt tokens looked up (keys x block_tokens); hit_tokens / requested_tokens is the hit "
+        "rate.", "counter", c.requested_tokens);
+    one("kvferry_cache_hit_tokens_total", "Prompt tokens of the prefixes found.", "counter",
+        c.hit_tokens);
+    one("kvferry_cache_evictions_total", "Blocks evicted (least recently used, unpinned).",
+        "counter", c.evictions);
+    one("kvferry_cache_lease_expirations_total", "Leases that expired before being released.",
+        "counter", c.lease_expirations);
+    one("kvferry_cache_leases", "Leases held now.", "gauge", c.leases);
+    Header(out, "kvferry_cache_blocks", "Blocks stored, per namespace and member pool.", "gauge");
+    for (const CacheCounts::Blocks& b : c.blocks) {
+      absl::StrAppend(&out, "kvferry_cache_blocks{",
+                      b.tenant.empty() ? "" : absl::StrCat("tenant=\"", Escape(b.tenant), "\","),
+                      "namespace=\"", Escape(b.name_space), "\",pool=\"", Escape(b.pool), "\"} ",
+                      b.blocks, "\n");
+    }
+  }
+  if (budgets_) {
+    const std::vector<Budget> budgets = budgets_();
+    Header(out, "kvferry_budget_used", "Use of the daemon-wide budgets, all clients together.",
+           "gauge");
+    for (const Budget& b : budgets) {
+      absl::StrAppend(&out, "kvferry_budget_used{resource=\"", b.resource, "\"} ", b.used, "\n");
+    }
+    Header(out, "kvferry_budget_limit", "The daemon-wide budgets (absent: unlimited).", "gauge");
+    for (const Budget& b : budgets) {
+      if (b.limit >= 0) {
+        absl::StrAppend(&out, "kvferry_budget_limit{resource=\"", b.resource, "\"} ", b.limit, "\n");
+      }
+    }
+  }
   transfers_.Render(out);
   transfer_bytes_.Render(out);
   transfer_seconds_.Render(out);
@@ -207,12 +254,13 @@ std::string DaemonMetrics::Render() const {
   bytes_received_.Render(out);
   bytes_sent_.Render(out);
   kernel_seconds_.Render(out);
+  refusals_.Render(out);
   return out;
 }
 
 absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
     const std::string& address, const DaemonMetrics* metrics,
-    std::function<bool(ssl_ctx_st&)> tls_setup) {
+    std::function<bool(ssl_ctx_st&)> tls_setup, HttpOptions options) {
   const size_t colon = address.rfind(':');
   int port;
   if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &port) ||
@@ -237,6 +285,15 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
     int yes = 1;
     setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, reinterpret_cast<void*>(&yes), sizeof(yes));
   });
+  // A fixed pool of workers, each connection's reads bounded: a client that opens
+  // connections and sends nothing, or drips a byte at a time, holds one worker at most
+  // read_timeout per byte, and /healthz is answered by the others (httplib's default is
+  // 8 workers and 5 s).
+  const int threads = std::max(options.threads, 1);
+  server->http_->new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  server->http_->set_read_timeout(std::chrono::duration<double>(options.read_timeout_seconds));
+  server->http_->set_write_timeout(std::chrono::duration<double>(options.read_timeout_seconds * 5));
+  server->http_->set_keep_alive_timeout(static_cast<time_t>(std::max(1.0, options.read_timeout_seconds)));
   server->http_->Get("/metrics", [metrics](const httplib::Request&, httplib::Response& res) {
     res.set_content(metrics->Render(), "text/plain; version=0.0.4; charset=utf-8");
   });

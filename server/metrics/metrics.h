@@ -15,6 +15,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "kvferry/mutex.h"
+#include "core/block_index.h"
 #include "core/session.h"
 #include "core/types.h"
 
@@ -36,7 +38,7 @@ class CounterFamily {
  private:
   const std::string name_, help_;
   const std::vector<std::string> labels_;
-  mutable absl::Mutex mu_;
+  mutable kvferry::Mutex mu_;
   std::map<std::vector<std::string>, double> values_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -59,7 +61,7 @@ class HistogramFamily {
   const std::string name_, help_;
   const std::vector<std::string> labels_;
   const std::vector<double> bounds_;
-  mutable absl::Mutex mu_;
+  mutable kvferry::Mutex mu_;
   std::map<std::vector<std::string>, Series> series_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -69,6 +71,15 @@ class DaemonMetrics : public OpObserver, public TransferObserver {
   explicit DaemonMetrics(std::function<std::vector<PoolStats>()> pools);
   // Session gauges are read from `sessions` at scrape time (unset: not exported).
   void SetSessionSource(std::function<SessionCounts()> sessions) { sessions_ = std::move(sessions); }
+  // Cache counters and gauges are read from `cache` at scrape time (unset: not exported).
+  void SetCacheSource(std::function<CacheCounts()> cache) { cache_ = std::move(cache); }
+  // The daemon-wide budgets, read at scrape time (unset: not exported).
+  struct Budget {
+    std::string resource;  // "streams"
+    int64_t used = 0;
+    int64_t limit = 0;     // < 0: no limit
+  };
+  void SetBudgetSource(std::function<std::vector<Budget>()> budgets) { budgets_ = std::move(budgets); }
   void RecordTransfer(const char* op, bool ok, uint64_t bytes, double seconds) override;
 
   // One finished RPC: method name, status code name (e.g. "OK", "INVALID_ARGUMENT") and, for
@@ -77,6 +88,9 @@ class DaemonMetrics : public OpObserver, public TransferObserver {
                  double seconds);
   void RecordBytes(const std::string& method, uint64_t received, uint64_t sent);
   void RecordOp(const char* op, Layout layout, double seconds) override;
+  // A request refused or ended by a budget or time bound: the reason ("quota_exceeded",
+  // "daemon_budget_exhausted", "stream_idle_timeout", ...) and the resource ("streams").
+  void RecordRefusal(const std::string& reason, const std::string& resource);
 
   // The whole exposition text.
   std::string Render() const;
@@ -84,6 +98,8 @@ class DaemonMetrics : public OpObserver, public TransferObserver {
  private:
   std::function<std::vector<PoolStats>()> pools_;
   std::function<SessionCounts()> sessions_;
+  std::function<CacheCounts()> cache_;
+  std::function<std::vector<Budget>()> budgets_;
   CounterFamily transfers_;
   CounterFamily transfer_bytes_;
   HistogramFamily transfer_seconds_;
@@ -93,6 +109,13 @@ class DaemonMetrics : public OpObserver, public TransferObserver {
   CounterFamily bytes_received_;
   CounterFamily bytes_sent_;
   HistogramFamily kernel_seconds_;
+  CounterFamily refusals_;
+};
+
+// The HTTP endpoint's own bounds.
+struct HttpOptions {
+  int threads = 32;                  // connections served at once (others wait to be accepted)
+  double read_timeout_seconds = 2;   // the longest wait for a request's next bytes
 };
 
 // Serves GET /metrics (and GET /healthz) on its own thread.
@@ -103,7 +126,7 @@ class MetricsServer {
   // certificates, client verification) and returns false if it cannot.
   static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(
       const std::string& address, const DaemonMetrics* metrics,
-      std::function<bool(ssl_ctx_st&)> tls_setup = {});
+      std::function<bool(ssl_ctx_st&)> tls_setup = {}, HttpOptions options = {});
   ~MetricsServer();
   int port() const { return port_; }
 

@@ -33,7 +33,7 @@ absl::StatusOr<std::unique_ptr<TokenAuthenticator>> TokenAuthenticator::Start(
 
 TokenAuthenticator::~TokenAuthenticator() {
   {
-    absl::MutexLock lock(&mu_);
+    kvferry::MutexLock lock(&mu_);
     stop_ = true;
   }
   if (watcher_.joinable()) watcher_.join();
@@ -47,7 +47,7 @@ TokenAuthenticator::FileVersion TokenAuthenticator::CurrentVersion() const {
 }
 
 absl::Status TokenAuthenticator::Reload() {
-  absl::MutexLock one_reload(&reload_mu_);
+  kvferry::MutexLock one_reload(&reload_mu_);
   const FileVersion version = CurrentVersion();
   absl::StatusOr<TokenFile> file = [&]() -> absl::StatusOr<TokenFile> {
     std::ifstream in(options_.token_file);
@@ -60,7 +60,7 @@ absl::Status TokenAuthenticator::Reload() {
   }();
   if (!file.ok()) {
     // Remember this version all the same: it is not retried until it changes again.
-    absl::MutexLock lock(&mu_);
+    kvferry::MutexLock lock(&mu_);
     loaded_ = version;
     return file.status();
   }
@@ -72,7 +72,7 @@ absl::Status TokenAuthenticator::Reload() {
   }
   const size_t count = tenant_of_hash.size();
   {
-    absl::MutexLock lock(&mu_);
+    kvferry::MutexLock lock(&mu_);
     tenant_of_hash_.swap(tenant_of_hash);
     loaded_ = version;
   }
@@ -85,8 +85,8 @@ void TokenAuthenticator::Watch() {
   while (true) {
     FileVersion loaded;
     {
-      absl::MutexLock lock(&mu_);
-      mu_.AwaitWithTimeout(absl::Condition(&stop_), period);
+      kvferry::MutexLock lock(&mu_);
+      mu_.AwaitWithTimeout(kvferry::Condition(&stop_), period);
       if (stop_) return;
       loaded = loaded_;
     }
@@ -111,7 +111,7 @@ absl::StatusOr<std::shared_ptr<TenantAccount>> TokenAuthenticator::Authenticate(
     return Unauthenticated("authorization metadata must be 'Bearer <token>'");
   }
   const std::string hash = Sha256Hex(value.substr(kScheme.size()));
-  absl::ReaderMutexLock lock(&mu_);
+  kvferry::ReaderMutexLock lock(&mu_);
   auto found = tenant_of_hash_.find(hash);
   if (found == tenant_of_hash_.end()) return Unauthenticated("the token is not valid");
   return found->second;

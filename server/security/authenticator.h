@@ -12,6 +12,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "kvferry/mutex.h"
 #include "core/tenant.h"
 
 namespace kvferry::server {
@@ -77,12 +78,12 @@ class TokenAuthenticator final : public Authenticator {
 
   const TokenAuthOptions options_;
   TenantRegistry* const tenants_;
-  mutable absl::Mutex mu_;
+  mutable kvferry::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<TenantAccount>> tenant_of_hash_
       ABSL_GUARDED_BY(mu_);
   FileVersion loaded_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  absl::Mutex reload_mu_;  // one reload at a time (watcher and SIGHUP)
+  kvferry::Mutex reload_mu_;  // one reload at a time (watcher and SIGHUP)
   std::thread watcher_;
 };
 

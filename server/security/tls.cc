@@ -13,6 +13,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "kvferry/mutex.h"
 #include "absl/time/clock.h"
 #include "common/errors.h"
 #include "common/log.h"
@@ -64,7 +65,7 @@ class CertificateFiles {
   // Loads the files if they changed since the last load (checked at most every
   // reload_seconds); false while nothing could ever be loaded.
   bool Refresh() ABSL_LOCKS_EXCLUDED(mu_) {
-    absl::MutexLock lock(&mu_);
+    kvferry::MutexLock lock(&mu_);
     const absl::Time now = absl::Now();
     if (loaded_ != nullptr && now < next_check_) return true;
     next_check_ = now + absl::Seconds(std::max(1, options_.reload_seconds));
@@ -86,7 +87,7 @@ class CertificateFiles {
     if (!Refresh()) return false;
     std::shared_ptr<Loaded> l;
     {
-      absl::MutexLock lock(&mu_);
+      kvferry::MutexLock lock(&mu_);
       l = loaded_;
     }
     if (SSL_use_certificate(ssl, l->cert.get()) != 1 ||
@@ -130,7 +131,7 @@ class CertificateFiles {
   }
 
   const TlsOptions options_;
-  absl::Mutex mu_;
+  kvferry::Mutex mu_;
   std::shared_ptr<Loaded> loaded_ ABSL_GUARDED_BY(mu_);
   std::string version_ ABSL_GUARDED_BY(mu_);
   absl::Time next_check_ ABSL_GUARDED_BY(mu_);

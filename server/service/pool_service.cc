@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <chrono>
 
+#include "absl/random/random.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "common/errors.h"
 #include "common/log.h"
@@ -13,26 +15,13 @@
 #include "kvferry/kernels/status_macros.h"
 #include "service/convert.h"
 #include "service/status.h"
+#include "service/streams.h"
 
 namespace kvferry::server {
 namespace {
 
 using grpc::ServerContext;
 using Tenant = std::shared_ptr<TenantAccount>;
-
-// The client went away (cancelled or past its deadline): its staged work is dropped.
-absl::Status ClientGone(ServerContext* context) {
-  if (context->deadline() < std::chrono::system_clock::now()) {
-    return Error(absl::StatusCode::kDeadlineExceeded, ErrorReason::kDeadlineExceeded,
-                 "deadline exceeded; the work was dropped");
-  }
-  return Error(absl::StatusCode::kCancelled, ErrorReason::kClientCancelled,
-               "client cancelled; the work was dropped");
-}
-
-std::span<const uint8_t> Bytes(const std::string& s) {
-  return {reinterpret_cast<const uint8_t*>(s.data()), s.size()};
-}
 
 // The loop of the client-streaming writes: the first message names the target and starts
 // the staged write (`begin`); a later message may repeat the target but not change it
@@ -45,10 +34,14 @@ absl::StatusOr<int64_t> StreamWrite(
     const std::function<absl::StatusOr<std::unique_ptr<StagedWrite>>(const Request&,
                                                                      std::shared_ptr<Pool>)>& begin,
     const std::function<absl::Status(const Request& first, const Request& msg)>& same_target,
-    const std::function<absl::Status(StagedWrite&, const Request&)>& add, uint64_t* received) {
+    const std::function<absl::Status(StagedWrite&, const Request&)>& add, uint64_t* received,
+    StreamWatchdog::Watch& watch) {
   Request first, msg;
   std::unique_ptr<StagedWrite> write;
-  while (reader->Read(write ? &msg : &first)) {
+  StreamReader<Request> stream(reader);
+  bool undecodable = false;
+  while (stream.Read(write ? &msg : &first, &undecodable)) {
+    watch.Touch();
     if (context->IsCancelled()) return ClientGone(context);
     const Request& m = write ? msg : first;
     *received += m.ByteSizeLong();
@@ -65,35 +58,16 @@ absl::StatusOr<int64_t> StreamWrite(
     KVF_RETURN_IF_ERROR(add(*write, m));
   }
   if (context->IsCancelled()) return ClientGone(context);
+  if (undecodable) {
+    return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                 "a message of the write stream could not be decoded (a string field that is "
+                 "not UTF-8, or malformed bytes); nothing was written");
+  }
   if (!write) {
     return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kEmptyWrite,
                  "empty write: no messages");
   }
   return write->Commit();
-}
-
-// Sends a reader's batches as messages of at most chunk_bytes; `fill` sets a message's
-// position fields from the byte offset of its data.
-template <typename Chunk>
-absl::Status StreamRead(ServerContext* context, Reader& reader, int64_t chunk_bytes,
-                        grpc::ServerWriter<Chunk>* writer,
-                        const std::function<void(uint64_t offset, Chunk&)>& fill,
-                        const std::function<std::string*(Chunk&)>& data) {
-  uint64_t offset = 0;
-  Chunk chunk;
-  while (true) {
-    KVF_ASSIGN_OR_RETURN(const std::span<const uint8_t> batch, reader.Next());
-    if (batch.empty()) return absl::OkStatus();
-    for (size_t at = 0; at < batch.size(); at += static_cast<size_t>(chunk_bytes)) {
-      if (context->IsCancelled()) return ClientGone(context);
-      const size_t n = std::min(batch.size() - at, static_cast<size_t>(chunk_bytes));
-      fill(offset, chunk);
-      data(chunk)->assign(reinterpret_cast<const char*>(batch.data() + at), n);
-      chunk.set_xxh64(XXH64(batch.data() + at, n, 0));
-      offset += n;
-      if (!writer->Write(chunk)) return ClientGone(context);
-    }
-  }
 }
 
 }  // namespace
@@ -103,7 +77,16 @@ KvFerryService::KvFerryService(PoolManager* pools, SessionManager* sessions, Ser
       sessions_(sessions),
       options_(options),
       default_auth_(std::make_unique<OpenAuthenticator>(std::make_shared<TenantAccount>(""))),
-      auth_(default_auth_.get()) {}
+      auth_(default_auth_.get()),
+      watchdog_(std::make_unique<StreamWatchdog>(options_.stream_limits, options_.on_stream_expired)) {}
+
+KvFerryService::KvFerryService(PoolManager* pools, SessionManager* sessions,
+                               ServiceOptions options, const Authenticator* auth)
+    : pools_(pools),
+      sessions_(sessions),
+      options_(options),
+      auth_(auth),
+      watchdog_(std::make_unique<StreamWatchdog>(options_.stream_limits, options_.on_stream_expired)) {}
 
 template <typename Body>
 grpc::Status KvFerryService::Handle(ServerContext* context, Body&& body) const {
@@ -117,8 +100,42 @@ grpc::Status KvFerryService::HandleStream(ServerContext* context, Body&& body) c
   return Handle(context, [&](const Tenant& tenant) -> absl::Status {
     KVF_ASSIGN_OR_RETURN(const ScopedCharge stream,
                          ScopedCharge::Take(tenant, Resource::kStreams, 1));
-    return body(tenant);
+    const std::unique_ptr<StreamWatchdog::Watch> watch = watchdog_->Start(context);
+    const absl::Status status = body(tenant, *watch);
+    // Cancelled by the watchdog: say why (the metrics and the log see it).
+    if (absl::Status expired = watch->Expired(); !expired.ok()) return expired;
+    return status;
   });
+}
+
+absl::StatusOr<std::vector<PoolStats>> KvFerryService::Page(std::vector<PoolStats> pools,
+                                                            uint32_t page_size,
+                                                            const std::string& page_token,
+                                                            std::string* next_token) const {
+  const size_t size = page_size == 0 || static_cast<int64_t>(page_size) > options_.max_page_size
+                          ? static_cast<size_t>(options_.max_page_size)
+                          : static_cast<size_t>(page_size);
+  // The token is the last name of the previous page (opaque to clients): the next page
+  // starts after it, so pools created or deleted in between cannot shift it.
+  std::string after;
+  if (!page_token.empty() &&
+      (!absl::WebSafeBase64Unescape(page_token, &after) || after.empty())) {
+    return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                 "page_token is not one kvferryd returned; start again with an empty token");
+  }
+  auto first = page_token.empty()
+                   ? pools.begin()
+                   : std::upper_bound(pools.begin(), pools.end(), after,
+                                      [](const std::string& name, const PoolStats& p) {
+                                        return name < p.name;
+                                      });
+  const size_t from = static_cast<size_t>(first - pools.begin());
+  const size_t to = std::min(pools.size(), from + size);
+  next_token->clear();
+  if (to < pools.size()) *next_token = absl::WebSafeBase64Escape(pools[to - 1].name);
+  std::vector<PoolStats> page(std::make_move_iterator(pools.begin() + from),
+                              std::make_move_iterator(pools.begin() + to));
+  return page;
 }
 
 int64_t KvFerryService::ChunkBytes(uint32_t requested) const {
@@ -153,10 +170,13 @@ grpc::Status KvFerryService::DescribePool(ServerContext* context,
   });
 }
 
-grpc::Status KvFerryService::ListPools(ServerContext* context, const v1::ListPoolsRequest*,
+grpc::Status KvFerryService::ListPools(ServerContext* context, const v1::ListPoolsRequest* req,
                                        v1::ListPoolsResponse* out) {
   return Handle(context, [&](const Tenant& tenant) -> absl::Status {
-    for (const PoolStats& s : pools_->Stats(*tenant).pools) ToProto(s, out->add_pools());
+    KVF_ASSIGN_OR_RETURN(const std::vector<PoolStats> page,
+                         Page(pools_->Stats(*tenant).pools, req->page_size(), req->page_token(),
+                              out->mutable_next_page_token()));
+    for (const PoolStats& s : page) ToProto(s, out->add_pools());
     return absl::OkStatus();
   });
 }
@@ -184,7 +204,12 @@ grpc::Status KvFerryService::AllocatePages(ServerContext* context,
     if (req->session_id() != 0 && sessions_ == nullptr) {
       return Error(absl::StatusCode::kNotFound, ErrorReason::kSessionNotFound, "no sessions here");
     }
-    KVF_ASSIGN_OR_RETURN(const std::vector<PageHandle> pages, pool->AllocatePages(req->count()));
+    if (req->session_id() != 0 && req->lease_seconds() != 0) {
+      return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                   "pages belong to a session or are leased, not both");
+    }
+    KVF_ASSIGN_OR_RETURN(const std::vector<PageHandle> pages,
+                         pool->AllocatePages(req->count(), absl::Seconds(req->lease_seconds())));
     if (req->session_id() != 0) {
       if (absl::Status s = sessions_->AdoptPages(req->session_id(), *tenant, pool, pages); !s.ok()) {
         pool->FreePages(pages).IgnoreError();
@@ -209,10 +234,19 @@ grpc::Status KvFerryService::FreePages(ServerContext* context, const v1::FreePag
   });
 }
 
+grpc::Status KvFerryService::RenewPages(ServerContext* context, const v1::RenewPagesRequest* req,
+                                        v1::RenewPagesResponse*) {
+  return Handle(context, [&](const Tenant& tenant) -> absl::Status {
+    KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Get(*tenant, req->pool()));
+    return pool->Renew(FromProto(req->pages()));
+  });
+}
+
 grpc::Status KvFerryService::WriteTokens(ServerContext* context,
                                          grpc::ServerReader<v1::WriteTokensRequest>* reader,
                                          v1::WriteResponse* out) {
-  return HandleStream(context, [&](const Tenant& tenant) -> absl::Status {
+  return HandleStream(context, [&](const Tenant& tenant,
+                                   StreamWatchdog::Watch& watch) -> absl::Status {
     uint64_t received = 0;
     KVF_ASSIGN_OR_RETURN(
         const int64_t written,
@@ -232,7 +266,7 @@ grpc::Status KvFerryService::WriteTokens(ServerContext* context,
             [](StagedWrite& write, const v1::WriteTokensRequest& msg) {
               return write.AddRows(FromProto(msg.locations()), Bytes(msg.rows()));
             },
-            &received));
+            &received, watch));
     out->set_tokens_written(written);
     out->set_bytes_received(received);
     return absl::OkStatus();
@@ -242,7 +276,8 @@ grpc::Status KvFerryService::WriteTokens(ServerContext* context,
 grpc::Status KvFerryService::WritePages(ServerContext* context,
                                         grpc::ServerReader<v1::WritePagesRequest>* reader,
                                         v1::WriteResponse* out) {
-  return HandleStream(context, [&](const Tenant& tenant) -> absl::Status {
+  return HandleStream(context, [&](const Tenant& tenant,
+                                   StreamWatchdog::Watch& watch) -> absl::Status {
     uint64_t received = 0;
     KVF_ASSIGN_OR_RETURN(
         const int64_t written,
@@ -264,7 +299,7 @@ grpc::Status KvFerryService::WritePages(ServerContext* context,
               return write.AddPageBytes(FromProto(msg.page()), msg.layer(), msg.offset(),
                                         Bytes(msg.data()));
             },
-            &received));
+            &received, watch));
     out->set_pages_written(written);
     out->set_bytes_received(received);
     return absl::OkStatus();
@@ -273,7 +308,8 @@ grpc::Status KvFerryService::WritePages(ServerContext* context,
 
 grpc::Status KvFerryService::ReadPages(ServerContext* context, const v1::ReadPagesRequest* req,
                                        grpc::ServerWriter<v1::PageChunk>* writer) {
-  return HandleStream(context, [&](const Tenant& tenant) -> absl::Status {
+  return HandleStream(context, [&](const Tenant& tenant,
+                                   StreamWatchdog::Watch& watch) -> absl::Status {
     KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Get(*tenant, req->pool()));
     KVF_ASSIGN_OR_RETURN(const std::optional<Layout> transcode_to,
                          TranscodeFromProto(req->transcode_to()));
@@ -289,14 +325,15 @@ grpc::Status KvFerryService::ReadPages(ServerContext* context, const v1::ReadPag
           chunk.set_offset(offset);
           chunk.set_page_bytes(page_bytes);
         },
-        [](v1::PageChunk& chunk) { return chunk.mutable_data(); });
+        [](v1::PageChunk& chunk) { return chunk.mutable_data(); }, [&] { watch.Touch(); });
   });
 }
 
 grpc::Status KvFerryService::ReadWorkspace(ServerContext* context,
                                            const v1::ReadWorkspaceRequest* req,
                                            grpc::ServerWriter<v1::WorkspaceChunk>* writer) {
-  return HandleStream(context, [&](const Tenant& tenant) -> absl::Status {
+  return HandleStream(context, [&](const Tenant& tenant,
+                                   StreamWatchdog::Watch& watch) -> absl::Status {
     KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Get(*tenant, req->pool()));
     // Pieces of whole rows.
     const int64_t chunk_bytes = ChunkBytes(req->chunk_bytes()) / kBf16RowBytes * kBf16RowBytes;
@@ -308,14 +345,19 @@ grpc::Status KvFerryService::ReadWorkspace(ServerContext* context,
         [](uint64_t offset, v1::WorkspaceChunk& chunk) {
           chunk.set_first_row(offset / kBf16RowBytes);
         },
-        [](v1::WorkspaceChunk& chunk) { return chunk.mutable_rows(); });
+        [](v1::WorkspaceChunk& chunk) { return chunk.mutable_rows(); }, [&] { watch.Touch(); });
   });
 }
 
-grpc::Status KvFerryService::GetStats(ServerContext* context, const v1::GetStatsRequest*,
+grpc::Status KvFerryService::GetStats(ServerContext* context, const v1::GetStatsRequest* req,
                                       v1::Stats* out) {
   return Handle(context, [&](const Tenant& tenant) -> absl::Status {
-    ToProto(pools_->Stats(*tenant), out);
+    DaemonStats stats = pools_->Stats(*tenant);
+    std::string next;
+    KVF_ASSIGN_OR_RETURN(stats.pools, Page(std::move(stats.pools), req->page_size(),
+                                           req->page_token(), &next));
+    ToProto(stats, out);
+    out->set_next_page_token(next);
     return absl::OkStatus();
   });
 }

@@ -14,6 +14,7 @@
 #include "common/golden.h"
 #include "common/random_rows.h"
 #include "daemon_harness.h"
+#include "kvferry/v1/session.grpc.pb.h"
 #include "kvferry/client/client.h"
 #include "kvferry/client/cuda_ipc.h"
 #include "kvferry/client/session.h"
@@ -217,6 +218,28 @@ TEST_F(IpcTest, WholeBlocksOfBf16RowsSaveAndLoadPageForPage) {
     }
     ASSERT_TRUE(reference::QuantizeStore(g, placed, locs, ref).ok());
     EXPECT_EQ(*client_->ReadPages(name, pages), ref);
+    // The client sends the pages packed; the same save with PageHandle messages stores the
+    // same bytes.
+    {
+      const auto handles_pages = NewPool(name + ".handles", layout, ps, blocks);
+      auto stub = v1::KvSession::NewStub(
+          grpc::CreateChannel(options_.target, grpc::InsecureChannelCredentials()));
+      v1::SaveRequest req;
+      req.set_session_id(session_->id());
+      req.set_tensor_id(tensor);
+      req.set_pool(name + ".handles");
+      for (int p = 0; p < blocks; ++p) {
+        req.add_source_blocks(order[p]);
+        v1::PageHandle* h = req.add_destination_pages();
+        h->set_page_id(handles_pages[p].page_id);
+        h->set_generation(handles_pages[p].generation);
+      }
+      grpc::ClientContext ctx;
+      v1::TransferResponse resp;
+      const grpc::Status st = stub->Save(&ctx, req, &resp);
+      ASSERT_TRUE(st.ok()) << st.error_message();
+      EXPECT_EQ(*client_->ReadPages(name + ".handles", handles_pages), ref);
+    }
     // Back into a dense tensor, page i into block i: the reference's dequantized rows.
     Device out(blocks * ps * 1024);
     const uint64_t out_tensor = RegisterBf16(out, blocks, ps, 1024, ps * 1024);
@@ -368,7 +391,7 @@ TEST_F(IpcTest, AnExportedPoolReadsInPlaceAndIsRevokedWhenDeleted) {
 
 TEST_F(IpcTest, AWorkerKilledMidSessionReleasesEverything) {
   ASSERT_TRUE(client_->CreatePool({"kill", client::Layout::kV4, 64, 32, 1, "cuda:0"}).ok());
-  const std::string command = std::string(KVFERRY_SESSION_WORKER) + " " + options_.target + " 8 kill gpu 64";
+  const std::string command = testing::SessionWorkerPath() + " " + options_.target + " 8 kill gpu 64";
   FILE* worker = popen(("exec " + command).c_str(), "r");
   char line[64] = {};
   ASSERT_NE(fgets(line, sizeof(line), worker), nullptr);

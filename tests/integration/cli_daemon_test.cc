@@ -89,6 +89,56 @@ TEST_F(CliTest, GoldenRoundTripThroughEveryDataCommand) {
   EXPECT_EQ(Kvferry("pool list --json").out, "[]\n");
 }
 
+// The cache through the command: create, put rows by key, look up with a lease, load the
+// rows back (the goldens' dequantized rows) and the records, release, delete.
+TEST_F(CliTest, CachePutLookupLoadMatchTheGoldens) {
+  const testing::GoldenCase g = testing::LoadGoldenCase("latent_p64");
+  const int blocks = static_cast<int>(g.tokens / g.page_size);
+  ASSERT_EQ(Kvferry("pool create kv --layout v41 --page-size 64 --pages 16 --device " +
+                    testing::TestDevice()).code, 0);
+  CliRun r = Kvferry("cache create n --pools kv --block-tokens 64 --model m --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const json ns = json::parse(r.out);
+  EXPECT_EQ(ns["members"][0]["pool"], "kv");
+  std::string keys;
+  for (int b = 0; b < blocks; ++b) keys += "block" + std::to_string(b) + "\n";
+  std::ofstream(Path("keys.txt")) << keys;
+  std::ofstream(Path("more.txt")) << keys << "absent\n";
+  const auto input = testing::ReadBytes(g.file("input.bf16"));
+  std::ofstream(Path("rows.bf16"), std::ios::binary)
+      .write(reinterpret_cast<const char*>(input.data()), blocks * 64 * 1024);
+  r = Kvferry("cache put n kv --keys " + Path("keys.txt") + " --rows " + Path("rows.bf16") +
+              " --digest " + std::to_string(ns["digest"].get<uint64_t>()) + " --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(json::parse(r.out)["blocks_stored"], blocks);
+  r = Kvferry("cache lookup n --keys " + Path("more.txt") + " --lease-ms 60000 --json");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const json hit = json::parse(r.out);
+  EXPECT_EQ(hit["hit_blocks"], blocks);
+  const std::string lease = std::to_string(hit["lease_id"].get<uint64_t>());
+  r = Kvferry("cache load n kv --lease " + lease + " --out " + Path("rows.out"));
+  ASSERT_EQ(r.code, 0) << r.err;
+  const auto dequant = testing::ReadBytes(g.file("dequant.v41.bf16"));
+  EXPECT_TRUE(testing::ReadBytes(Path("rows.out")) ==
+              std::vector<uint8_t>(dequant.begin(), dequant.begin() + blocks * 64 * 1024));
+  r = Kvferry("cache load n kv --lease " + lease + " --records --first 1 --count 2 --out " +
+              Path("pages.out"));
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(testing::ReadBytes(Path("pages.out")).size(), 2u * 33792);
+  EXPECT_EQ(Kvferry("cache release n --lease " + lease).code, 0);
+  r = Kvferry("cache load n kv --lease " + lease + " --out " + Path("late.out"));
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.err.find("LEASE_EXPIRED"), std::string::npos) << r.err;
+  r = Kvferry("cache lookup n --keys " + Path("keys.txt") + " --digest 12345");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.err.find("NAMESPACE_MISMATCH"), std::string::npos) << r.err;
+  EXPECT_EQ(Kvferry("cache put n kv --keys " + Path("keys.txt")).code, 2);  // no --rows
+  EXPECT_EQ(Kvferry("cache delete n").code, 0);
+  r = Kvferry("cache describe n");
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.err.find("NAMESPACE_NOT_FOUND"), std::string::npos) << r.err;
+}
+
 TEST_F(CliTest, ExitCodesSayUsageOrErrorAndMessagesNameTheReason) {
   CliRun r = Kvferry("health");
   EXPECT_EQ(r.code, 0);

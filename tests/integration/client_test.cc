@@ -116,6 +116,41 @@ TEST(ClientErrorTest, CodesAndReasonsComeThrough) {
   EXPECT_TRUE(c->Health().ok());
 }
 
+// Leased pages: renewed explicitly they stay; left alone past their lease the daemon frees
+// them (their handles go stale); plain pages are never touched.
+TEST(ClientLeaseTest, RenewedPagesStayAndForgottenOnesAreFreed) {
+  testing::Daemon d;
+  auto c = Connect(d.grpc_port());
+  ASSERT_TRUE(c->CreatePool({"l", client::Layout::kV4, 16, 8, 1, Device()}).ok());
+  auto kept = c->AllocatePages("l", 2, absl::Seconds(2));
+  auto forgotten = c->AllocatePages("l", 2, absl::Seconds(1));
+  auto plain = c->AllocatePages("l", 2);
+  ASSERT_TRUE(kept.ok() && forgotten.ok() && plain.ok());
+  EXPECT_EQ(c->AllocatePages("l", 1, absl::Seconds(-1)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // Until the forgotten pages are freed (the daemon sweeps every 0.5 s), at most 15 s. They
+  // are not read meanwhile: a read renews a lease.
+  uint64_t used = 6;
+  for (int i = 0; i < 60 && used > 4; ++i) {
+    ASSERT_TRUE(c->RenewPages("l", *kept).ok());
+    absl::SleepFor(absl::Milliseconds(250));
+    auto info = c->DescribePool("l");
+    ASSERT_TRUE(info.ok());
+    used = info->pages_used;
+  }
+  EXPECT_EQ(used, 4u);
+  const absl::Status forgotten_status = c->ReadPages("l", *forgotten).status();
+  EXPECT_EQ(client::ErrorReason(forgotten_status), "STALE_PAGE_HANDLE") << forgotten_status;
+  EXPECT_TRUE(c->ReadPages("l", *kept).ok());
+  EXPECT_TRUE(c->ReadPages("l", *plain).ok());
+  // Renewing a page that was freed is refused, and renews nothing.
+  std::vector<PageHandle> mixed = {(*kept)[0], (*forgotten)[0]};
+  EXPECT_EQ(client::ErrorReason(c->RenewPages("l", mixed)), "STALE_PAGE_HANDLE");
+  auto info = c->DescribePool("l");
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->pages_used, 4u);
+}
+
 TEST(ClientDeadlineTest, ACallPastItsDeadlineFailsWithDeadlineExceeded) {
   testing::Daemon d;
   auto c = Connect(d.grpc_port());
@@ -159,6 +194,67 @@ TEST(ClientRetryTest, ACallThatNeverConnectedIsRetriedUntilTheDaemonListens) {
   options.max_attempts = 2;
   auto dead = *Client::Connect(options);
   EXPECT_EQ(dead->ListPools().status().code(), absl::StatusCode::kUnavailable);
+}
+
+// The cache calls of the C++ client: rows put by key load back as the goldens' dequantized
+// rows; records round-trip; a lease ends and the reason reaches the caller.
+TEST(ClientCacheTest, PutLookupLoadByKeyMatchTheGoldens) {
+  testing::Daemon d;
+  auto c = Connect(d.grpc_port());
+  const testing::GoldenCase gc = testing::LoadGoldenCase("latent_p64");
+  const auto input = testing::ReadArray<uint16_t>(gc.file("input.bf16"));
+  const auto dequant = testing::ReadArray<uint16_t>(gc.file("dequant.v41.bf16"));
+  const int blocks = static_cast<int>(gc.tokens / gc.page_size);
+  ASSERT_TRUE(c->CreatePool({"kv", client::Layout::kV41, 64, 16, 1, Device()}).ok());
+  absl::StatusOr<client::NamespaceInfo> ns =
+      c->CreateNamespace({"n", "model", "all", "salt", 64, {"kv"}, 0});
+  ASSERT_TRUE(ns.ok()) << ns.status();
+  ASSERT_EQ(ns->members.size(), 1u);
+  EXPECT_EQ(ns->members[0].page_size, 64u);
+  std::vector<std::string> keys;
+  std::vector<client::BlockRows> rows;
+  for (int b = 0; b < blocks; ++b) {
+    keys.push_back("key" + std::to_string(b));
+    rows.push_back({keys.back(), 0, 0,
+                    std::span<const uint16_t>(input).subspan(static_cast<size_t>(b) * 64 * 512, 64 * 512)});
+  }
+  absl::StatusOr<client::PutResult> put = c->PutRows(ns->ref(), "kv", rows);
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->blocks_stored, static_cast<uint64_t>(blocks));
+  keys.push_back("missing");
+  absl::StatusOr<client::LookupResult> hit =
+      c->Lookup(ns->ref(), keys, {.pools = {}, .lease_ttl = absl::Seconds(30)});
+  ASSERT_TRUE(hit.ok()) << hit.status();
+  EXPECT_EQ(hit->hit_blocks, static_cast<uint64_t>(blocks));
+  EXPECT_EQ(hit->hit_tokens, static_cast<uint64_t>(blocks) * 64);
+  absl::StatusOr<std::vector<uint16_t>> loaded = c->LoadRows(ns->ref(), hit->lease_id, "kv", 0);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_TRUE(std::equal(loaded->begin(), loaded->end(), dequant.begin()));
+  EXPECT_EQ(loaded->size(), static_cast<size_t>(blocks) * 64 * 512);
+  absl::StatusOr<std::vector<uint8_t>> pages = c->LoadPages(ns->ref(), hit->lease_id, "kv", {}, std::nullopt, {1, 2});
+  ASSERT_TRUE(pages.ok()) << pages.status();
+  ASSERT_EQ(pages->size(), 2u * 33792);
+  // The records of blocks 1 and 2 put again under new keys load back byte for byte.
+  const std::vector<client::BlockRecords> records = {
+      {"copy1", 0, std::span<const uint8_t>(*pages).subspan(0, 33792)},
+      {"copy2", 0, std::span<const uint8_t>(*pages).subspan(33792)}};
+  ASSERT_TRUE(c->PutPages(ns->ref(), "kv", client::Layout::kV41, records).ok());
+  const std::vector<std::string> copies = {"copy1", "copy2"};
+  absl::StatusOr<client::LookupResult> copy_hit =
+      c->Lookup(ns->ref(), copies, {.pools = {}, .lease_ttl = absl::Seconds(30)});
+  ASSERT_TRUE(copy_hit.ok());
+  absl::StatusOr<std::vector<uint8_t>> again = c->LoadPages(ns->ref(), copy_hit->lease_id, "kv");
+  ASSERT_TRUE(again.ok());
+  EXPECT_TRUE(*again == *pages);
+  ASSERT_TRUE(c->ReleaseLease(ns->ref(), hit->lease_id).ok());
+  loaded = c->LoadRows(ns->ref(), hit->lease_id, "kv", 0);
+  EXPECT_EQ(loaded.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(client::ErrorReason(loaded.status()), "LEASE_EXPIRED");
+  client::NamespaceRef wrong = ns->ref();
+  wrong.digest ^= 1;
+  EXPECT_EQ(client::ErrorReason(c->Lookup(wrong, keys).status()), "NAMESPACE_MISMATCH");
+  ASSERT_TRUE(c->DeleteNamespace("n").ok());
+  EXPECT_EQ(c->DescribeNamespace("n").status().code(), absl::StatusCode::kNotFound);
 }
 
 }  // namespace

@@ -132,6 +132,51 @@ TEST_F(DaemonInvalidTest, InfInALaterMessageLeavesEarlierMessagesUnwritten) {
   ExpectUnchanged();
 }
 
+// gRPC ends a read both when the client half-closes and when a message does not decode; the
+// second must not commit the messages before it. Both WriteTokens and WritePages.
+TEST_F(DaemonInvalidTest, UndecodableLaterMessageFailsTheWriteAndLeavesEarlierMessagesUnwritten) {
+  const std::string not_utf8("\xbf\xe7\x6c", 3);  // a proto3 string must be UTF-8
+  {
+    grpc::ClientContext ctx;
+    v1::WriteResponse resp;
+    auto writer = d_.stub().WriteTokens(&ctx, &resp);
+    const auto rows = testing::RandomRows(2, 4);
+    for (int m = 0; m < 2; ++m) {
+      v1::WriteTokensRequest msg;
+      msg.set_pool(m == 0 ? "p" : not_utf8);
+      msg.set_layer(1);
+      *msg.add_locations() = Location(pages_[0], m);  // overwrites known rows
+      msg.set_rows(reinterpret_cast<const char*>(rows.data() + m * kHeadDim), kBf16RowBytes);
+      ASSERT_TRUE(writer->Write(msg));
+    }
+    writer->WritesDone();
+    const grpc::Status s = writer->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_EQ(testing::ReasonOf(ctx), "INVALID_REQUEST");
+    EXPECT_NE(s.error_message().find("could not be decoded"), std::string::npos) << s.error_message();
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::WriteResponse resp;
+    auto writer = d_.stub().WritePages(&ctx, &resp);
+    const std::string page(PageBytes(Layout::kV41, 16), '\0');
+    for (int m = 0; m < 2; ++m) {
+      v1::WritePagesRequest msg;
+      msg.set_pool(m == 0 ? "p" : not_utf8);
+      msg.set_layout(v1::LAYOUT_V41);
+      *msg.mutable_page() = pages_[m];  // zeros over the known rows of pages 0 and 1
+      msg.set_layer(1);
+      msg.set_data(page);
+      ASSERT_TRUE(writer->Write(msg));
+    }
+    writer->WritesDone();
+    const grpc::Status s = writer->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_EQ(testing::ReasonOf(ctx), "INVALID_REQUEST");
+  }
+  ExpectUnchanged();
+}
+
 TEST_F(DaemonInvalidTest, WrongRowLengthIsInvalidArgument) {
   grpc::ClientContext ctx;
   v1::WriteResponse resp;

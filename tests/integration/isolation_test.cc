@@ -67,19 +67,6 @@ grpc::Status WatchFirst(const std::shared_ptr<grpc::Channel>& channel, std::stri
 // HealthCheckResponse{status: SERVING} on the wire: field 1, varint 1.
 const std::string kServing("\x08\x01", 2);
 
-std::string ReadStatusField(pid_t pid, const std::string& field) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind(field + ":", 0) == 0) return line.substr(field.size() + 1);
-  }
-  return "";
-}
-
-int64_t KiB(pid_t pid, const std::string& field) {
-  return std::stoll(ReadStatusField(pid, field));
-}
-
 // 1 ---------------------------------------------------------------------------------------------
 TEST(HealthTest, CheckAndWatchAnswerServingRepeatedlyAndConcurrentlyWithTraffic) {
   Daemon d;
@@ -313,14 +300,14 @@ TEST(ReadMemoryTest, RepeatedLayersAreRefusedAndAWideReadStaysWithinItsChunks) {
     EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
     EXPECT_EQ(testing::ReasonOf(ctx), "DUPLICATE_LAYER");
   }
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(KVFERRY_TEST_ASAN)
   GTEST_SKIP() << "AddressSanitizer's quarantine keeps freed memory resident: peak RSS says nothing";
 #endif
-  const int64_t hwm_before = KiB(d.pid(), "VmHWM");
+  const int64_t hwm_before = testing::ProcStatus(d.pid(), "VmHWM");
   std::string bytes;
   ASSERT_TRUE(testing::ReadPages(d, "big", pages, &bytes).ok());
   EXPECT_EQ(bytes.size(), static_cast<size_t>(kLayers) * PageBytes(Layout::kV4, 4096));
-  const int64_t growth_kib = KiB(d.pid(), "VmHWM") - hwm_before;
+  const int64_t growth_kib = testing::ProcStatus(d.pid(), "VmHWM") - hwm_before;
   // The old daemon staged the whole 153 MB request; batches of one page keep it to a few MB.
   EXPECT_LT(growth_kib, 64 * 1024) << "peak RSS grew by " << growth_kib << " KiB";
 }

@@ -705,15 +705,6 @@ TEST(EchoTest, LogsCarryNoTokenAndNoForgedLine) {
   }
 }
 
-int64_t VmRssKiB(pid_t pid) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6));
-  }
-  return -1;
-}
-
 TEST(TokenTest, TenThousandUnauthenticatedCallsAllocateNothingAndKeepMemoryFlat) {
   // Under AddressSanitizer (the debug preset) freed memory waits in a quarantine of up to
   // 256 MiB by design; without one the daemon's RSS measures what it really keeps.
@@ -737,10 +728,10 @@ TEST(TokenTest, TenThousandUnauthenticatedCallsAllocateNothingAndKeepMemoryFlat)
   };
   // Warm-up: the daemon's threads, arenas and caches reach their working size.
   for (int i = 0; i < 1000; ++i) ASSERT_EQ(call(i), grpc::StatusCode::UNAUTHENTICATED);
-  const int64_t before = VmRssKiB(t.d->pid());
+  const int64_t before = testing::ProcStatus(t.d->pid(), "VmRSS");
   int refused = 0;
   for (int i = 0; i < 10000; ++i) refused += call(i) == grpc::StatusCode::UNAUTHENTICATED;
-  const int64_t after = VmRssKiB(t.d->pid());
+  const int64_t after = testing::ProcStatus(t.d->pid(), "VmRSS");
   EXPECT_EQ(refused, 10000);
   std::printf("VmRSS before %lld KiB, after 10000 unauthenticated calls %lld KiB\n",
               static_cast<long long>(before), static_cast<long long>(after));

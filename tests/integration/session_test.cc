@@ -4,6 +4,8 @@
 #include <httplib.h>
 #include <signal.h>
 
+#include <grpcpp/grpcpp.h>
+
 #include <cstdio>
 
 #include "daemon_harness.h"
@@ -56,6 +58,31 @@ TEST(SessionArgsTest, EveryBadRequestIsRefusedWithItsReason) {
   EXPECT_EQ(client::ErrorReason(r), "POOL_NOT_FOUND");
   r = s.UnmapPool(99);
   EXPECT_EQ(client::ErrorReason(r), "EXPORT_NOT_FOUND");
+  // Page-form transfers name their pages as handles or packed, never both, and the packed
+  // arrays pair up: refused before anything is looked at.
+  {
+    auto stub = v1::KvSession::NewStub(
+        grpc::CreateChannel(Options(d).target, grpc::InsecureChannelCredentials()));
+    auto refused = [&](const v1::SaveRequest& req, const std::string& needle) {
+      grpc::ClientContext ctx;
+      v1::TransferResponse resp;
+      const grpc::Status st = stub->Save(&ctx, req, &resp);
+      EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << st.error_message();
+      EXPECT_NE(st.error_message().find(needle), std::string::npos) << st.error_message();
+    };
+    v1::SaveRequest both;
+    both.set_pool("s");
+    both.add_source_blocks(0);
+    both.add_destination_pages()->set_page_id((*pages)[0].page_id);
+    both.mutable_destination_page_list()->add_page_ids((*pages)[0].page_id);
+    both.mutable_destination_page_list()->add_generations((*pages)[0].generation);
+    refused(both, "not both");
+    v1::SaveRequest uneven;
+    uneven.set_pool("s");
+    uneven.add_source_blocks(0);
+    uneven.mutable_destination_page_list()->add_page_ids((*pages)[0].page_id);
+    refused(uneven, "1 page ids and 0 generations");
+  }
   // A session id nobody opened.
   client::ClientOptions o = Options(d);
   auto other = Session::Open(o, "other", 0, 70000);
@@ -78,7 +105,7 @@ TEST(SessionPagesTest, PagesOfASessionAreFreedWhenItClosesOrItsWorkerIsKilled) {
   EXPECT_EQ(PagesUsed(d), 2u);
 
   // A worker process killed with SIGKILL while it holds 9 pages of its session.
-  const std::string command = std::string(KVFERRY_SESSION_WORKER) + " 127.0.0.1:" +
+  const std::string command = testing::SessionWorkerPath() + " 127.0.0.1:" +
                               std::to_string(d.grpc_port()) + " 9 p";
   FILE* worker = popen(("exec " + command).c_str(), "r");
   ASSERT_NE(worker, nullptr);

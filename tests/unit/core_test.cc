@@ -125,6 +125,86 @@ TEST(PageTableTest, DeletedPoolRefusesPins) {
 
 // ---- writes and reads against the goldens -----------------------------------------------------
 
+// Whole pages marked a word of occupancy bits at a time (a page-form save) must leave the
+// table exactly as marking each of their tokens one by one does — the oracle is a second
+// table marked per token — for page sizes that fill, share and straddle 64-bit words, in
+// every layer, over pages already partly written. PagesWithRecords agrees with WrittenSlots.
+TEST(PageTableTest, WholePagesMarkedByWordsEqualTheSameTokensMarkedOneByOne) {
+  for (const int page_size : {1, 16, 48, 64, 128}) {
+    SCOPED_TRACE(page_size);
+    const int64_t num_pages = 300;  // enough for the bitmap path of long pin lists
+    const int layers = 3;
+    PageTable words("w", num_pages, page_size, layers, 1), tokens("t", num_pages, page_size, layers, 1);
+    const std::vector<PageHandle> hw = *words.Allocate(num_pages), ht = *tokens.Allocate(num_pages);
+    // A few tokens written first, the same in both.
+    for (PageTable* t : {&words, &tokens}) {
+      const auto& h = t == &words ? hw : ht;
+      PageTable::Pin pin = *t->PinPages({&h[7], 1}, true);
+      const std::vector<int64_t> some = {7 * page_size, 7 * page_size + page_size - 1};
+      t->Unpin(pin, 1, some);
+    }
+    // Then every third page, in layer (page % layers), whole.
+    std::vector<PageHandle> listed_w, listed_t;
+    std::vector<int64_t> ids;
+    std::vector<int> in_layer;
+    for (int64_t p = 1; p < num_pages; p += 3) {
+      listed_w.push_back(hw[p]);
+      listed_t.push_back(ht[p]);
+      ids.push_back(p);
+      in_layer.push_back(static_cast<int>(p % layers));
+    }
+    ASSERT_GE(listed_w.size(), 64u);
+    PageTable::Pin pw = *words.PinPages(listed_w, true);
+    words.UnpinWrittenPages(pw, in_layer, ids);
+    PageTable::Pin pt = *tokens.PinPages(listed_t, true);
+    std::vector<int64_t> written;
+    for (size_t i = 0; i < ids.size(); ++i) {
+      // One Unpin per layer in the oracle: pin again for each.
+      if (i > 0) pt = *tokens.PinPages(listed_t, true);
+      written.clear();
+      for (int s = 0; s < page_size; ++s) written.push_back(ids[i] * page_size + s);
+      tokens.Unpin(pt, in_layer[i], written);
+    }
+    const auto cw = words.counts(), ct = tokens.counts();
+    EXPECT_EQ(cw.tokens_held, ct.tokens_held);
+    EXPECT_EQ(cw.records_held, ct.records_held);
+    // Page 7 is listed in layer 1, where its first and last slots were already written:
+    // every listed page's slots once, in one layer each.
+    EXPECT_EQ(ct.records_held, static_cast<int64_t>(ids.size()) * page_size);
+    EXPECT_EQ(ct.tokens_held, static_cast<int64_t>(ids.size()) * page_size);
+    std::vector<int64_t> all(num_pages);
+    for (int64_t p = 0; p < num_pages; ++p) all[p] = p;
+    for (int l = 0; l < layers; ++l) {
+      EXPECT_EQ(words.WrittenSlots(l, all), tokens.WrittenSlots(l, all)) << "layer " << l;
+      const std::vector<uint8_t> any = words.PagesWithRecords(l, all);
+      for (int64_t p = 0; p < num_pages; ++p) {
+        EXPECT_EQ(any[p] != 0, !tokens.WrittenSlots(l, {&all[p], 1}).empty()) << "layer " << l << " page " << p;
+      }
+    }
+  }
+}
+
+TEST(PageTableTest, CheckHandlesNamesTheFirstBadHandleAndLongPinListsPinRepeatsOnce) {
+  PageTable table("p", 600, 4, 1, 3);
+  std::vector<PageHandle> h = *table.Allocate(600);
+  EXPECT_TRUE(table.CheckHandles(h).ok());
+  std::vector<PageHandle> bad = h;
+  bad[400].generation += 1;
+  bad[500].page_id = 9999;
+  const absl::Status s = table.CheckHandles(bad);
+  EXPECT_EQ(ReasonOf(s), ErrorReason::kStalePageHandle) << s;
+  EXPECT_NE(std::string(s.message()).find("page 400"), std::string::npos) << s;
+  // 600 handles, each page twice: pinned once each, in first-seen order.
+  std::vector<PageHandle> twice = h;
+  twice.insert(twice.end(), h.rbegin(), h.rend());
+  PageTable::Pin pin = *table.PinPages(twice, false);
+  ASSERT_EQ(pin.pages.size(), 600u);
+  for (int64_t p = 0; p < 600; ++p) EXPECT_EQ(pin.pages[p], static_cast<int64_t>(h[p].page_id));
+  table.Unpin(pin);
+  // Every reader pin released: a free zeroes at once.
+  EXPECT_EQ(table.Free(h)->size(), 600u);
+}
+
 TEST(CoreGoldenTest, RowsWritePagesReadWorkspaceAndTranscodeMatchTheGoldens) {
   for (const testing::GoldenCase& c : testing::GoldenCases()) {
     const auto rows = testing::ReadArray<uint16_t>(c.file("input.bf16"));
@@ -535,6 +615,37 @@ TEST(TenantTest, ScopedChargeRefundsOnceAndNewLimitsApplyToLaterCharges) {
   // Unlimited resources never overflow.
   EXPECT_TRUE(t->Charge(Resource::kPages, TenantQuota::kUnlimited).ok());
   EXPECT_EQ(ReasonOf(t->Charge(Resource::kPages, 1)), ErrorReason::kQuotaExceeded);
+}
+
+TEST(TenantTest, TheDaemonBudgetBindsAllTenantsAndARefusalTakesNothingFromEither) {
+  std::vector<std::pair<Resource, bool>> refusals;
+  TenantLimits limits;
+  limits.daemon[Resource::kStagedWriteBytes] = 100;
+  limits.per_tenant[Resource::kStagedWriteBytes] = 60;
+  limits.on_refusal = [&](Resource r, bool daemon_wide) { refusals.push_back({r, daemon_wide}); };
+  TenantRegistry registry(limits);
+  auto a = registry.Get("a");
+  auto b = registry.Get("b");
+  ASSERT_TRUE(a->Charge(Resource::kStagedWriteBytes, 60).ok());
+  // a's own share is used up.
+  EXPECT_EQ(ReasonOf(a->Charge(Resource::kStagedWriteBytes, 1)), ErrorReason::kQuotaExceeded);
+  // b fits its share but not what is left of the daemon's: nothing is taken from b.
+  EXPECT_EQ(ReasonOf(b->Charge(Resource::kStagedWriteBytes, 50)), ErrorReason::kDaemonBudgetExhausted);
+  EXPECT_EQ(b->used(Resource::kStagedWriteBytes), 0);
+  EXPECT_EQ(registry.daemon()->used(Resource::kStagedWriteBytes), 60);
+  EXPECT_TRUE(b->Charge(Resource::kStagedWriteBytes, 40).ok());
+  a->Refund(Resource::kStagedWriteBytes, 60);
+  EXPECT_EQ(registry.daemon()->used(Resource::kStagedWriteBytes), 40);
+  EXPECT_TRUE(b->Charge(Resource::kStagedWriteBytes, 20).ok());
+  ASSERT_EQ(refusals.size(), 2u);
+  EXPECT_FALSE(refusals[0].second);
+  EXPECT_TRUE(refusals[1].second);
+  // A token file's quota replaces the default where it gives one; elsewhere the default stays.
+  TenantQuota given;
+  given[Resource::kStreams] = 3;
+  a->SetQuota(given);
+  EXPECT_EQ(a->limit(Resource::kStreams), 3);
+  EXPECT_EQ(a->limit(Resource::kStagedWriteBytes), 60);
 }
 
 }  // namespace

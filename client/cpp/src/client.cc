@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvferry/v1/kvferry.grpc.pb.h"
 
+#include "client_impl.h"
 #include "internal.h"
 
 namespace kvferry::client {
@@ -43,135 +44,6 @@ std::string ErrorReason(const absl::Status& status) {
   return reason.has_value() ? std::string(*reason) : std::string();
 }
 
-struct Client::Impl {
-  ClientOptions options;
-  std::shared_ptr<grpc::Channel> channel;
-  std::unique_ptr<v1::KvFerry::Stub> stub;
-
-  void Prepare(grpc::ClientContext& ctx, const CallOptions& call) const {
-    internal::Prepare(ctx, options, call.timeout.value_or(options.timeout));
-  }
-
-  // Runs `attempt` (which makes one call with a fresh context) again while it fails
-  // UNAVAILABLE without the channel ever having been connected: nothing was sent then.
-  absl::Status Retry(const std::function<absl::Status()>& attempt) const {
-    absl::Duration backoff = options.first_backoff;
-    for (int i = 1;; ++i) {
-      const grpc_connectivity_state before = channel->GetState(/*try_to_connect=*/true);
-      absl::Status s = attempt();
-      const bool never_connected = before != GRPC_CHANNEL_READY &&
-                                   channel->GetState(false) != GRPC_CHANNEL_READY;
-      if (s.code() != absl::StatusCode::kUnavailable || !never_connected ||
-          i >= options.max_attempts) {
-        return s;
-      }
-      std::this_thread::sleep_for(absl::ToChronoNanoseconds(backoff));
-      backoff *= 2;
-    }
-  }
-
-  template <typename Request, typename Response>
-  absl::Status Unary(grpc::Status (v1::KvFerry::Stub::*method)(grpc::ClientContext*, const Request&,
-                                                              Response*),
-                     const Request& request, Response* response, const CallOptions& call) const {
-    return Retry([&] {
-      grpc::ClientContext ctx;
-      Prepare(ctx, call);
-      response->Clear();
-      const grpc::Status s = (stub.get()->*method)(&ctx, request, response);
-      return FromGrpc(s, ctx);
-    });
-  }
-
-  // Streams a ReadPages; `place(page_bytes)` returns where the whole output goes once the
-  // first chunk says how large a page is.
-  absl::Status ReadPages(const v1::ReadPagesRequest& req,
-                         const std::function<absl::StatusOr<std::span<uint8_t>>(uint64_t)>& place,
-                         uint64_t* page_bytes, const CallOptions& call) const {
-    return Retry([&]() -> absl::Status {
-      grpc::ClientContext ctx;
-      Prepare(ctx, call);
-      auto reader = stub->ReadPages(&ctx, req);
-      return Drain<v1::PageChunk>(
-          ctx, *reader,
-          [&](const v1::PageChunk& first) -> absl::StatusOr<std::span<uint8_t>> {
-            *page_bytes = first.page_bytes();
-            return place(first.page_bytes());
-          },
-          [&]() { return place(0); },
-          [](const v1::PageChunk& c) { return c.offset(); },
-          [](const v1::PageChunk& c) -> const std::string& { return c.data(); });
-    });
-  }
-
-  // Reads a chunked stream into one buffer: `place(first)` says where, from the first chunk
-  // (`place_empty()` when there is none). Checks every chunk's offset, hash and fit, and
-  // the total; on a bad chunk cancels the call.
-  template <typename Chunk, typename Reader>
-  static absl::Status Drain(
-      grpc::ClientContext& ctx, Reader& reader,
-      const std::function<absl::StatusOr<std::span<uint8_t>>(const Chunk&)>& place,
-      const std::function<absl::StatusOr<std::span<uint8_t>>()>& place_empty,
-      const std::function<uint64_t(const Chunk&)>& offset_of,
-      const std::function<const std::string&(const Chunk&)>& data_of) {
-    Chunk chunk;
-    std::span<uint8_t> out;
-    uint64_t received = 0;
-    bool placed = false;
-    absl::Status local;
-    while (local.ok() && reader.Read(&chunk)) {
-      if (!placed) {
-        absl::StatusOr<std::span<uint8_t>> where = place(chunk);
-        if (!where.ok()) {
-          local = where.status();
-          break;
-        }
-        out = *where;
-        placed = true;
-      }
-      const std::string& data = data_of(chunk);
-      local = CheckChunk(offset_of(chunk), data, chunk.xxh64(), received, out.size());
-      if (local.ok()) {
-        std::memcpy(out.data() + received, data.data(), data.size());
-        received += data.size();
-      }
-    }
-    if (!local.ok()) {
-      ctx.TryCancel();
-      while (reader.Read(&chunk)) {
-      }
-      reader.Finish().IgnoreError();
-      return local;
-    }
-    KVF_CLIENT_RETURN(FromGrpc(reader.Finish(), ctx));
-    if (!placed) {
-      absl::StatusOr<std::span<uint8_t>> where = place_empty();
-      if (!where.ok()) return where.status();
-      out = *where;
-    }
-    if (received != out.size()) {
-      return absl::DataLossError(absl::StrCat("read ended after ", received, " of ", out.size(),
-                                              " bytes"));
-    }
-    return absl::OkStatus();
-  }
-
-  static absl::Status CheckChunk(uint64_t offset, const std::string& data, uint64_t hash,
-                                 uint64_t received, uint64_t capacity) {
-    if (offset != received) {
-      return absl::DataLossError(absl::StrCat("chunk at offset ", offset, ", expected ", received));
-    }
-    if (XXH64(data.data(), data.size(), 0) != hash) {
-      return absl::DataLossError(absl::StrCat("chunk at offset ", offset, " fails its XXH64"));
-    }
-    if (received + data.size() > capacity) {
-      return absl::InvalidArgumentError(absl::StrCat("the output buffer holds ", capacity,
-                                                     " bytes; the read returns more"));
-    }
-    return absl::OkStatus();
-  }
-};
-
 Client::Client(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Client::~Client() = default;
 
@@ -182,6 +54,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   auto impl = std::make_unique<Impl>();
   impl->channel = MakeChannel(options);
   impl->stub = v1::KvFerry::NewStub(impl->channel);
+  impl->cache = v1::KvCache::NewStub(impl->channel);
   impl->options = std::move(options);
   return std::unique_ptr<Client>(new Client(std::move(impl)));
 }
@@ -208,10 +81,15 @@ absl::StatusOr<PoolInfo> Client::DescribePool(const std::string& name, CallOptio
 }
 
 absl::StatusOr<std::vector<PoolInfo>> Client::ListPools(CallOptions call) {
-  v1::ListPoolsResponse resp;
-  KVF_CLIENT_RETURN(impl_->Unary(&v1::KvFerry::Stub::ListPools, v1::ListPoolsRequest(), &resp, call));
+  // Page after page (the daemon answers at most 1000 pools per call).
   std::vector<PoolInfo> pools;
-  for (const v1::Pool& p : resp.pools()) pools.push_back(FromProto(p));
+  v1::ListPoolsRequest req;
+  do {
+    v1::ListPoolsResponse resp;
+    KVF_CLIENT_RETURN(impl_->Unary(&v1::KvFerry::Stub::ListPools, req, &resp, call));
+    for (const v1::Pool& p : resp.pools()) pools.push_back(FromProto(p));
+    req.set_page_token(resp.next_page_token());
+  } while (!req.page_token().empty());
   return pools;
 }
 
@@ -224,9 +102,22 @@ absl::Status Client::DeletePool(const std::string& name, CallOptions call) {
 
 absl::StatusOr<std::vector<PageHandle>> Client::AllocatePages(const std::string& pool,
                                                               uint32_t count, CallOptions call) {
+  return AllocatePages(pool, count, absl::ZeroDuration(), call);
+}
+
+absl::StatusOr<std::vector<PageHandle>> Client::AllocatePages(const std::string& pool,
+                                                              uint32_t count, absl::Duration lease,
+                                                              CallOptions call) {
   v1::AllocatePagesRequest req;
   req.set_pool(pool);
   req.set_count(count);
+  if (lease != absl::ZeroDuration()) {
+    const int64_t seconds = absl::ToInt64Seconds(absl::Ceil(lease, absl::Seconds(1)));
+    if (seconds < 1 || seconds > int64_t{UINT32_MAX}) {
+      return absl::InvalidArgumentError("a page lease is between 1 second and 2^32-1 seconds");
+    }
+    req.set_lease_seconds(static_cast<uint32_t>(seconds));
+  }
   v1::AllocatePagesResponse resp;
   KVF_CLIENT_RETURN(impl_->Unary(&v1::KvFerry::Stub::AllocatePages, req, &resp, call));
   std::vector<PageHandle> pages;
@@ -234,13 +125,29 @@ absl::StatusOr<std::vector<PageHandle>> Client::AllocatePages(const std::string&
   return pages;
 }
 
-absl::Status Client::FreePages(const std::string& pool, std::span<const PageHandle> pages,
-                               CallOptions call) {
-  v1::FreePagesRequest req;
+// A call that names a pool and a list of its pages (FreePages, RenewPages).
+// (`Impl` is deduced: Client::Impl is private.)
+template <typename Impl, typename Request, typename Response>
+absl::Status PagesCall(Impl& impl,
+                       grpc::Status (v1::KvFerry::Stub::*method)(grpc::ClientContext*,
+                                                                const Request&, Response*),
+                       const std::string& pool, std::span<const PageHandle> pages,
+                       CallOptions call) {
+  Request req;
   req.set_pool(pool);
   for (const PageHandle& h : pages) ToProto(h, req.add_pages());
-  v1::FreePagesResponse resp;
-  return impl_->Unary(&v1::KvFerry::Stub::FreePages, req, &resp, call);
+  Response resp;
+  return impl.Unary(method, req, &resp, call);
+}
+
+absl::Status Client::RenewPages(const std::string& pool, std::span<const PageHandle> pages,
+                                CallOptions call) {
+  return PagesCall(*impl_, &v1::KvFerry::Stub::RenewPages, pool, pages, call);
+}
+
+absl::Status Client::FreePages(const std::string& pool, std::span<const PageHandle> pages,
+                               CallOptions call) {
+  return PagesCall(*impl_, &v1::KvFerry::Stub::FreePages, pool, pages, call);
 }
 
 absl::StatusOr<WriteResult> Client::WriteTokens(const std::string& pool, uint32_t layer,
@@ -417,10 +324,18 @@ absl::StatusOr<std::vector<uint16_t>> Client::ReadWorkspace(const std::string& p
 }
 
 absl::StatusOr<Stats> Client::GetStats(CallOptions call) {
+  // Page after page of pools; every page carries the same totals.
   v1::Stats resp;
-  KVF_CLIENT_RETURN(impl_->Unary(&v1::KvFerry::Stub::GetStats, v1::GetStatsRequest(), &resp, call));
+  v1::GetStatsRequest req;
+  std::vector<v1::PoolStats> all;
+  do {
+    resp.Clear();
+    KVF_CLIENT_RETURN(impl_->Unary(&v1::KvFerry::Stub::GetStats, req, &resp, call));
+    all.insert(all.end(), resp.pools().begin(), resp.pools().end());
+    req.set_page_token(resp.next_page_token());
+  } while (!req.page_token().empty());
   Stats stats;
-  for (const v1::PoolStats& p : resp.pools()) {
+  for (const v1::PoolStats& p : all) {
     PoolStats s;
     s.name = p.name();
     s.layout = FromProto(p.layout());

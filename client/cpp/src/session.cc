@@ -265,6 +265,16 @@ void AddLocations(std::span<const TokenLocation> locations,
   }
 }
 
+// Page handles packed: a page-form transfer names thousands of pages.
+void Pack(std::span<const PageHandle> pages, v1::PageList* out) {
+  out->mutable_page_ids()->Reserve(static_cast<int>(pages.size()));
+  out->mutable_generations()->Reserve(static_cast<int>(pages.size()));
+  for (const PageHandle& h : pages) {
+    out->add_page_ids(h.page_id);
+    out->add_generations(h.generation);
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<uint64_t> Session::Save(uint64_t tensor, const std::string& pool, uint32_t layer,
@@ -297,7 +307,7 @@ absl::StatusOr<uint64_t> Session::SaveBlocks(uint64_t tensor, const std::string&
   v1::SaveRequest req;
   Target(req, impl_->id, tensor, pool, layer);
   for (uint64_t b : from) req.add_source_blocks(b);
-  for (const PageHandle& h : to) ToProto(h, req.add_destination_pages());
+  Pack(to, req.mutable_destination_page_list());
   v1::TransferResponse resp;
   KVF_CLIENT_RETURN(impl_->Unary(&v1::KvSession::Stub::Save, req, &resp));
   return resp.tokens();
@@ -308,7 +318,7 @@ absl::StatusOr<uint64_t> Session::LoadBlocks(uint64_t tensor, const std::string&
                                              std::span<const uint64_t> to) {
   v1::LoadRequest req;
   Target(req, impl_->id, tensor, pool, layer);
-  for (const PageHandle& h : from) ToProto(h, req.add_source_pages());
+  Pack(from, req.mutable_source_page_list());
   for (uint64_t b : to) req.add_destination_blocks(b);
   v1::TransferResponse resp;
   KVF_CLIENT_RETURN(impl_->Unary(&v1::KvSession::Stub::Load, req, &resp));

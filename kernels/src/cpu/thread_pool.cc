@@ -44,7 +44,7 @@ ThreadPool::ThreadPool(int num_threads) {
 
 ThreadPool::~ThreadPool() {
   {
-    absl::MutexLock lock(&mu_);
+    kvferry::MutexLock lock(&mu_);
     stop_ = true;
   }
   for (std::thread& worker : workers_) worker.join();
@@ -63,9 +63,9 @@ int ThreadPool::RunChunks(Job& job) {
 bool ThreadPool::HasWork() const { return stop_ || !queue_.empty(); }
 
 void ThreadPool::WorkerLoop() {
-  absl::MutexLock lock(&mu_);
+  kvferry::MutexLock lock(&mu_);
   while (true) {
-    mu_.Await(absl::Condition(this, &ThreadPool::HasWork));
+    mu_.Await(kvferry::Condition(this, &ThreadPool::HasWork));
     if (queue_.empty()) return;  // stop_ and nothing left
     Job* job = queue_.front();
     if (job->next_chunk.load() >= job->num_chunks) {
@@ -95,16 +95,16 @@ void ThreadPool::ParallelFor(int64_t n, int64_t min_grain,
   }
   Job job(fn, n, chunks);
   {
-    absl::MutexLock lock(&mu_);
+    kvferry::MutexLock lock(&mu_);
     queue_.push_back(&job);
   }
   const int ran = RunChunks(job);
-  absl::MutexLock lock(&mu_);
+  kvferry::MutexLock lock(&mu_);
   job.chunks_done += ran;
   auto finished = [&job]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return job.chunks_done == job.num_chunks && job.users == 0;
   };
-  mu_.Await(absl::Condition(&finished));
+  mu_.Await(kvferry::Condition(&finished));
   // Workers drop exhausted jobs lazily; this one must not outlive the call in the queue.
   if (auto it = std::find(queue_.begin(), queue_.end(), &job); it != queue_.end()) {
     queue_.erase(it);

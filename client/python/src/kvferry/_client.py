@@ -14,6 +14,8 @@ from kvferry import _wire
 from kvferry._arrays import ROW_BYTES, byte_view, rows_bf16, writable_bytes
 from kvferry._errors import Error, invalid_argument, translated
 from kvferry._pages import Pages
+from kvferry.v1 import cache_pb2 as cache_pb
+from kvferry.v1 import cache_pb2_grpc as cache_grpc
 from kvferry.v1 import kvferry_pb2 as pb
 from kvferry.v1 import kvferry_pb2_grpc as pb_grpc
 
@@ -197,8 +199,9 @@ class Client:
         if token is not None:
             channel = grpc.intercept_channel(channel, _BearerToken(token))
         self._channel = channel
-        # The generated stub, for anything the methods below do not wrap.
+        # The generated stubs, for anything the methods below do not wrap.
         self.stub = pb_grpc.KvFerryStub(self._channel)
+        self.cache_stub = cache_grpc.KvCacheStub(self._channel)
         # The bulk RPCs move raw bytes, (de)serialized by _wire.
         self._write_tokens = self._channel.stream_unary(
             _method("WriteTokens"), response_deserializer=pb.WriteResponse.FromString)
@@ -241,10 +244,16 @@ class Client:
                                           timeout=self._deadline(timeout))
 
     def list_pools(self, *, timeout=None) -> list:
-        """Every pool, as kvferry.v1.Pool messages."""
+        """Every pool, as kvferry.v1.Pool messages (page after page)."""
+        pools, token = [], ""
         with translated():
-            return list(self.stub.ListPools(pb.ListPoolsRequest(),
-                                            timeout=self._deadline(timeout)).pools)
+            while True:
+                reply = self.stub.ListPools(pb.ListPoolsRequest(page_token=token),
+                                            timeout=self._deadline(timeout))
+                pools.extend(reply.pools)
+                token = reply.next_page_token
+                if not token:
+                    return pools
 
     def delete_pool(self, name: str, *, timeout=None) -> None:
         """Frees the pool's memory; its page handles become NOT_FOUND."""
@@ -273,9 +282,16 @@ class Client:
                                 timeout=self._deadline(timeout))
 
     def get_stats(self, *, timeout=None) -> pb.Stats:
-        """Per-pool and total occupancy and byte savings (kvferry.v1.Stats)."""
+        """Per-pool and total occupancy and byte savings (kvferry.v1.Stats), every page of
+        pools merged into one message."""
         with translated():
-            return self.stub.GetStats(pb.GetStatsRequest(), timeout=self._deadline(timeout))
+            stats = self.stub.GetStats(pb.GetStatsRequest(), timeout=self._deadline(timeout))
+            while stats.next_page_token:
+                page = self.stub.GetStats(pb.GetStatsRequest(page_token=stats.next_page_token),
+                                          timeout=self._deadline(timeout))
+                stats.pools.extend(page.pools)
+                stats.next_page_token = page.next_page_token
+            return stats
 
     # ---- writes -------------------------------------------------------------------------
 
@@ -446,3 +462,133 @@ class Client:
             raise Error(grpc.StatusCode.DATA_LOSS,
                         f"the daemon sent {assembler.size // ROW_BYTES} rows for {n} locations")
         return assembler.result().view(np.uint16).reshape(n, 512)
+
+    # ---- the KV cache (kvferry.v1.KvCache) ------------------------------------------------
+    #
+    # A namespace argument is the kvferry.v1.Namespace that create_namespace returned (or
+    # anything with .name and .digest): its digest goes with every call, and a digest that
+    # is not the namespace's fails with FAILED_PRECONDITION, reason NAMESPACE_MISMATCH.
+
+    def create_namespace(self, name: str, pools, *, block_tokens: int, model_fingerprint="",
+                         layer_group="", tenant_salt=b"", max_blocks: int = 0,
+                         timeout=None) -> cache_pb.Namespace:
+        """Creates a namespace of keyed blocks over `pools` (its members, in order); the same
+        binding again answers the existing namespace."""
+        request = cache_pb.CreateNamespaceRequest(
+            name=name, pools=list(pools), block_tokens=_uint(block_tokens, "block_tokens"),
+            model_fingerprint=model_fingerprint, layer_group=layer_group,
+            tenant_salt=bytes(tenant_salt), max_blocks=_uint(max_blocks, "max_blocks"))
+        with translated():
+            return self.cache_stub.CreateNamespace(request, timeout=self._deadline(timeout))
+
+    def describe_namespace(self, name: str, *, timeout=None) -> cache_pb.Namespace:
+        with translated():
+            return self.cache_stub.DescribeNamespace(cache_pb.DescribeNamespaceRequest(name=name),
+                                                     timeout=self._deadline(timeout))
+
+    def delete_namespace(self, name: str, *, timeout=None) -> None:
+        with translated():
+            self.cache_stub.DeleteNamespace(cache_pb.DeleteNamespaceRequest(name=name),
+                                            timeout=self._deadline(timeout))
+
+    def put_rows(self, namespace, pool: str, keys, rows, *, layers: int = 1,
+                 timeout=None) -> cache_pb.PutResponse:
+        """Stores blocks by key from bf16 rows: `rows` [len(keys) * layers * page_size, 512]
+        holds, for each key in order and each layer, the block's page_size rows. All or
+        nothing; keys already held are skipped (PutResponse.blocks_already_held)."""
+        rows = rows_bf16(rows)
+        keys = [bytes(k, "utf-8") if isinstance(k, str) else bytes(k) for k in keys]
+        units = len(keys) * _uint(layers, "layers")
+        if units == 0 or rows.shape[0] % units:
+            raise invalid_argument(f"{rows.shape[0]} rows are not whole blocks of {len(keys)} "
+                                   f"keys x {layers} layers")
+        per = rows.shape[0] // units
+
+        def messages():
+            for i, key in enumerate(keys):
+                for layer in range(layers):
+                    first = (i * layers + layer) * per
+                    message = cache_pb.PutRowsRequest(
+                        key=key, layer=layer, rows=rows[first:first + per].tobytes())
+                    if i == 0 and layer == 0:
+                        message.namespace = namespace.name
+                        message.digest = namespace.digest
+                        message.pool = pool
+                    yield message
+
+        with translated():
+            return self.cache_stub.PutRows(messages(), timeout=self._deadline(timeout))
+
+    def lookup(self, namespace, keys, *, pools=(), lease_ttl: float = 0,
+               timeout=None) -> cache_pb.LookupResponse:
+        """The longest prefix of `keys` held by every pool of the group (`pools`; empty:
+        every member), and how many keys after it are still being written. With lease_ttl
+        (seconds) > 0 the hits are pinned under LookupResponse.lease_id for that long."""
+        request = cache_pb.LookupRequest(
+            namespace=namespace.name, digest=namespace.digest,
+            keys=[bytes(k, "utf-8") if isinstance(k, str) else bytes(k) for k in keys],
+            pools=list(pools), lease_ttl_ms=int(round(lease_ttl * 1000)))
+        with translated():
+            return self.cache_stub.Lookup(request, timeout=self._deadline(timeout))
+
+    def release_lease(self, namespace, lease_id: int, *, timeout=None) -> None:
+        with translated():
+            self.cache_stub.ReleaseLease(
+                cache_pb.ReleaseLeaseRequest(namespace=namespace.name, lease_id=lease_id),
+                timeout=self._deadline(timeout))
+
+    def load_rows(self, namespace, lease_id: int, pool: str, layer: int = 0, *,
+                  first_block: int = 0, num_blocks: int = 0, timeout=None) -> np.ndarray:
+        """Dequantized bf16 rows [blocks * page_size, 512] (uint16) of leased blocks
+        [first_block, first_block + num_blocks) (0: to the end) in one member pool and
+        layer. A lease that expired or was released: Error FAILED_PRECONDITION,
+        LEASE_EXPIRED."""
+        request = cache_pb.LoadRowsRequest(
+            namespace=namespace.name, digest=namespace.digest, lease_id=lease_id, pool=pool,
+            layer=_uint(layer, "layer"), first_block=_uint(first_block, "first_block"),
+            num_blocks=_uint(num_blocks, "num_blocks"), chunk_bytes=self.chunk_bytes)
+        assembler = _Assembler(self.verify_checksums)
+        fields = {"offset": _number(pb.WorkspaceChunk, "first_row"), "scale": ROW_BYTES,
+                  "data": _number(pb.WorkspaceChunk, "rows"),
+                  "xxh64": _number(pb.WorkspaceChunk, "xxh64")}
+        call = self._channel.unary_stream(
+            "/kvferry.v1.KvCache/LoadRows",
+            request_serializer=cache_pb.LoadRowsRequest.SerializeToString)
+        self._drain(call(request, timeout=self._deadline(timeout)), assembler, fields)
+        return assembler.result().view(np.uint16).reshape(-1, 512)
+
+    def load_pages(self, namespace, lease_id: int, pool: str, *, layers=None,
+                   transcode_to: Layout | int = 0, first_block: int = 0, num_blocks: int = 0,
+                   timeout=None) -> np.ndarray:
+        """Page records (uint8) of leased blocks: for each block, each layer (None: all)."""
+        request = cache_pb.LoadPagesRequest(
+            namespace=namespace.name, digest=namespace.digest, lease_id=lease_id, pool=pool,
+            layers=[_uint(layer, "layer") for layer in (layers or [])],
+            transcode_to=int(transcode_to), first_block=_uint(first_block, "first_block"),
+            num_blocks=_uint(num_blocks, "num_blocks"), chunk_bytes=self.chunk_bytes)
+        assembler = _Assembler(self.verify_checksums)
+        fields = {name: _number(pb.PageChunk, name) for name in ("offset", "data", "xxh64")}
+        call = self._channel.unary_stream(
+            "/kvferry.v1.KvCache/LoadPages",
+            request_serializer=cache_pb.LoadPagesRequest.SerializeToString)
+        self._drain(call(request, timeout=self._deadline(timeout)), assembler, fields)
+        return assembler.result()
+
+    def snapshot(self, *, timeout=None) -> tuple:
+        """(publisher_id, sequence, blocks): every stored block of the caller's namespaces
+        (kvferry.v1.BlockEvent), and the sequence after which events continue from it."""
+        publisher, sequence, blocks = 0, 0, []
+        with translated():
+            for chunk in self.cache_stub.Snapshot(cache_pb.SnapshotRequest(),
+                                                  timeout=self._deadline(timeout)):
+                publisher, sequence = chunk.publisher_id, chunk.sequence
+                blocks.extend(chunk.blocks)
+        return publisher, sequence, blocks
+
+    def subscribe_events(self, after_sequence: int = 0, publisher_id: int = 0):
+        """An iterator of kvferry.v1.EventBatch (events after `after_sequence`, heartbeats
+        at least every second); cancel() the returned call to stop. Errors surface as
+        grpc.RpcError from iteration (EVENTS_LOST: take a snapshot and subscribe again)."""
+        return self.cache_stub.SubscribeEvents(cache_pb.SubscribeEventsRequest(
+            after_sequence=after_sequence, publisher_id=publisher_id))
+

@@ -9,6 +9,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/functional/function_ref.h"
 #include "absl/synchronization/mutex.h"
+#include "kvferry/mutex.h"
 
 namespace kvferry::cpu {
 
@@ -42,7 +43,7 @@ class ThreadPool {
   void WorkerLoop();
   bool HasWork() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  absl::Mutex mu_;
+  kvferry::Mutex mu_;
   std::deque<Job*> queue_ ABSL_GUARDED_BY(mu_);  // jobs with chunks not yet claimed
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> workers_;

@@ -105,6 +105,84 @@ struct CallOptions {
   std::optional<absl::Duration> timeout;
 };
 
+// ---- the KV cache (kvferry.v1.KvCache, cache.proto) ----------------------------------------
+
+struct NamespaceSpec {
+  std::string name;
+  std::string model_fingerprint;    // the model, weights and config the blocks come from
+  std::string layer_group;          // which layers the member pools hold
+  std::string tenant_salt;          // any bytes mixed into the digest
+  uint32_t block_tokens = 64;       // prompt tokens one key names
+  std::vector<std::string> pools;   // the member pools, in order
+  uint64_t max_blocks = 0;          // per member pool; 0: as many as the pools hold
+};
+
+struct NamespaceMember {
+  std::string pool;
+  uint64_t pool_id = 0;
+  Layout layout = Layout::kV4;
+  uint32_t page_size = 0;   // slots of one block in this pool
+  uint32_t num_layers = 0;
+  std::string tier;         // the pool's device
+  uint64_t blocks = 0;      // blocks stored now
+};
+
+// A namespace as calls name it: its name and digest (sent with every call; a digest that is
+// not the namespace's fails with FAILED_PRECONDITION, reason NAMESPACE_MISMATCH).
+struct NamespaceRef {
+  std::string name;
+  uint64_t digest = 0;
+};
+
+struct NamespaceInfo {
+  std::string name;
+  uint64_t digest = 0;
+  uint32_t block_tokens = 0;
+  uint64_t max_blocks = 0;
+  std::vector<NamespaceMember> members;
+  NamespaceRef ref() const { return {name, digest}; }
+};
+
+// Rows of one block in one layer: bf16 [n, 512] for slots [first_slot, first_slot + n).
+struct BlockRows {
+  std::string key;
+  uint32_t layer = 0;
+  uint32_t first_slot = 0;
+  std::span<const uint16_t> rows;
+};
+
+// The records of one block in one layer: the whole page in the pool's layout.
+struct BlockRecords {
+  std::string key;
+  uint32_t layer = 0;
+  std::span<const uint8_t> data;
+};
+
+struct PutResult {
+  uint64_t blocks_stored = 0;        // new blocks
+  uint64_t blocks_already_held = 0;  // keys skipped: held, or written by another put
+  uint64_t bytes_sent = 0;
+};
+
+struct LookupOptions {
+  std::vector<std::string> pools;                    // the group; empty: every member
+  absl::Duration lease_ttl = absl::ZeroDuration();  // > 0: pin the hits under a lease
+};
+
+struct LookupResult {
+  uint64_t hit_blocks = 0;      // keys[0, hit_blocks) are held by every pool of the group
+  uint64_t pending_blocks = 0;  // the keys after them held or still being written
+  uint64_t hit_tokens = 0;
+  uint64_t lease_id = 0;        // 0: no lease
+  absl::Time lease_expiry;
+};
+
+// Which blocks of a lease a load returns: [first, first + count), count 0: to the end.
+struct BlockRange {
+  uint64_t first = 0;
+  uint64_t count = 0;
+};
+
 // The reason the daemon attached to `status` ("" when none).
 std::string ErrorReason(const absl::Status& status);
 
@@ -121,6 +199,14 @@ class Client {
 
   absl::StatusOr<std::vector<PageHandle>> AllocatePages(const std::string& pool, uint32_t count,
                                                         CallOptions call = {});
+  // Pages under a lease of `lease` (whole seconds, at least 1): every write or read naming a
+  // page and every RenewPages renews it; a page whose lease runs out is freed by the daemon
+  // (zeroed, its handle refused from then on), so a client that dies leaks nothing.
+  absl::StatusOr<std::vector<PageHandle>> AllocatePages(const std::string& pool, uint32_t count,
+                                                        absl::Duration lease, CallOptions call = {});
+  // Renews the leases of leased pages (all handles checked first; none renewed on an error).
+  absl::Status RenewPages(const std::string& pool, std::span<const PageHandle> pages,
+                          CallOptions call = {});
   absl::Status FreePages(const std::string& pool, std::span<const PageHandle> pages,
                          CallOptions call = {});
 
@@ -152,6 +238,35 @@ class Client {
                                                       CallOptions call = {});
 
   absl::StatusOr<Stats> GetStats(CallOptions call = {});
+
+  // ---- the KV cache ----
+  // Creates a namespace over pools of the caller (the same binding again: the existing one).
+  absl::StatusOr<NamespaceInfo> CreateNamespace(const NamespaceSpec& spec, CallOptions call = {});
+  absl::StatusOr<NamespaceInfo> DescribeNamespace(const std::string& name, CallOptions call = {});
+  absl::Status DeleteNamespace(const std::string& name, CallOptions call = {});
+  // Stores blocks by key into member `pool`, all or nothing (every new block needs every
+  // slot of every layer); keys already held are skipped.
+  absl::StatusOr<PutResult> PutRows(const NamespaceRef& ns, const std::string& pool,
+                                    std::span<const BlockRows> blocks, CallOptions call = {});
+  absl::StatusOr<PutResult> PutPages(const NamespaceRef& ns, const std::string& pool,
+                                     Layout layout, std::span<const BlockRecords> blocks,
+                                     CallOptions call = {});
+  // The longest prefix of `keys` held by every pool of the group; never waits for writers.
+  absl::StatusOr<LookupResult> Lookup(const NamespaceRef& ns, std::span<const std::string> keys,
+                                      const LookupOptions& options = {}, CallOptions call = {});
+  absl::Status ReleaseLease(const NamespaceRef& ns, uint64_t lease_id, CallOptions call = {});
+  // Dequantized rows of leased blocks in one member pool and layer: [blocks * page_size, 512].
+  // FAILED_PRECONDITION (LEASE_EXPIRED) when the lease is not held: no bytes then.
+  absl::StatusOr<std::vector<uint16_t>> LoadRows(const NamespaceRef& ns, uint64_t lease_id,
+                                                 const std::string& pool, uint32_t layer,
+                                                 BlockRange blocks = {}, CallOptions call = {});
+  // Page records of leased blocks (each block, each listed layer; all when empty),
+  // optionally transcoded.
+  absl::StatusOr<std::vector<uint8_t>> LoadPages(const NamespaceRef& ns, uint64_t lease_id,
+                                                 const std::string& pool,
+                                                 std::span<const uint32_t> layers = {},
+                                                 std::optional<Layout> transcode_to = std::nullopt,
+                                                 BlockRange blocks = {}, CallOptions call = {});
   // The standard gRPC health check of the whole server: OK when SERVING.
   absl::Status Health(CallOptions call = {});
 

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Prints, one a line, the packages that hold the shared libraries the given binaries load
+# (found with ldd and dpkg -S), so that the container's runtime stage installs exactly
+# those whatever the distribution names them. Left out: the C library and the CUDA
+# libraries, which the CUDA runtime base image and the host's driver provide.
+# Fails when a library is not found, or no package holds it.
+# Usage: runtime-packages.sh BINARY...
+set -euo pipefail
+[ $# -gt 0 ] || { echo "usage: runtime-packages.sh BINARY..." >&2; exit 2; }
+libraries=$(ldd "$@" | awk '$2 == "=>" && $3 == "not" { print "MISSING " $1; next }
+                            $2 == "=>" && $3 ~ /^\// { print $3 }' | sort -u)
+if grep -q '^MISSING' <<<"$libraries"; then
+  grep '^MISSING' <<<"$libraries" | sed 's/^MISSING /runtime-packages: not found: /' >&2
+  exit 1
+fi
+for library in $libraries; do
+  case "$(basename "$library")" in
+    libc.so.*|libm.so.*|libpthread.so.*|libdl.so.*|librt.so.*|ld-linux*|libcuda.so*|libcudart.so*) continue ;;
+  esac
+  # Merged /usr: the package may have registered the /lib or the /usr/lib path.
+  real=$(readlink -f "$library")
+  package=""
+  for path in "$library" "$real" "${real#/usr}" "/usr${real}"; do
+    if package=$(dpkg -S "$path" 2>/dev/null | head -n 1 | cut -d: -f1) && [ -n "$package" ]; then
+      break
+    fi
+  done
+  [ -n "$package" ] || { echo "runtime-packages: no package holds $library" >&2; exit 1; }
+  echo "$package"
+done | sort -u

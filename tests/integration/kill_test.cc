@@ -1,0 +1,140 @@
+// Clients killed with SIGKILL at random points of a write stream, a thousand times, against
+// the real daemon: every write is all or nothing (the pages hold either the last committed
+// write or the killed one's, never a mix), nothing leaks (no page, no staged write, no
+// stream, no thread: the daemon runs with small write and stream budgets that leaked
+// staging would use up), and the daemon keeps serving.
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <random>
+#include <string>
+#include <thread>
+
+#include "common/random_rows.h"
+#include "daemon_harness.h"
+#include "kvferry/kernels/ops.h"
+
+namespace kvferry {
+namespace {
+
+int Iterations() {
+  if (const char* n = std::getenv("KVFERRY_KILL_ITERATIONS"); n != nullptr && *n != '\0') {
+    return std::atoi(n);
+  }
+#if defined(KVFERRY_TEST_ASAN)
+  return 200;  // each client start is slower under the sanitizer; the long run is the plain one
+#else
+  return 1000;
+#endif
+}
+
+TEST(KillTest, ClientsKilledAtRandomPointsOfAWriteLeaveWholeWritesAndNoLeaks) {
+  // 8 pages of 16 tokens: 128 rows (128 KiB staged per write), 4 per message, 32 messages.
+  const int ps = 16, num_pages = 8;
+  testing::Daemon d({"--max_staged_write_bytes=1048576", "--max_streams=16",
+                     "--stream_idle_timeout_seconds=30"});
+  testing::CreatePool(d, "k", Layout::kV41, ps, num_pages);
+  const std::vector<v1::PageHandle> pages = testing::Allocate(d, "k", num_pages);
+  ASSERT_EQ(pages.size(), static_cast<size_t>(num_pages));
+  const PoolGeometry g{Layout::kV41, ps, num_pages};
+  std::vector<int64_t> locs;
+  for (const auto& p : pages) {
+    for (int s = 0; s < ps; ++s) locs.push_back(static_cast<int64_t>(p.page_id()) * ps + s);
+  }
+  // What the pages hold after the write of `seed` committed (ReadPages order: the listed
+  // pages, each whole), from the reference.
+  auto written = [&](uint64_t seed) {
+    std::vector<uint8_t> pool(g.pool_bytes(), 0);
+    const auto rows = testing::RandomRows(static_cast<int64_t>(locs.size()), seed);
+    EXPECT_TRUE(reference::QuantizeStore(g, rows, locs, pool).ok());
+    std::string out;
+    for (const auto& p : pages) {
+      out.append(reinterpret_cast<const char*>(pool.data() + p.page_id() * g.page_bytes()), g.page_bytes());
+    }
+    return out;
+  };
+  std::string args;
+  for (const auto& p : pages) args += " " + std::to_string(p.page_id()) + ":" + std::to_string(p.generation());
+  const std::string target = "127.0.0.1:" + std::to_string(d.grpc_port());
+
+  std::string held(num_pages * g.page_bytes(), '\0');  // never written: zeros
+  {
+    std::string now;
+    ASSERT_TRUE(testing::ReadPages(d, "k", pages, &now).ok());
+    ASSERT_EQ(now, held);
+  }
+  const int64_t threads_before = testing::ProcStatus(d.pid(), "Threads");
+  std::mt19937_64 rng(20261202);
+  int committed = 0, dropped = 0;
+  const int n = Iterations();
+  for (int i = 0; i < n; ++i) {
+    const uint64_t seed = 1000 + i;
+    const std::string command = std::string(KVFERRY_STREAM_WRITER) + " " + target + " k " +
+                                std::to_string(ps) + " " + std::to_string(seed) + " 4 500" + args;
+    FILE* child = popen(("exec " + command + " & echo $!").c_str(), "r");
+    ASSERT_NE(child, nullptr);
+    char line[64] = {};
+    ASSERT_NE(fgets(line, sizeof(line), child), nullptr);  // the child's pid
+    const pid_t pid = static_cast<pid_t>(std::atoi(line));
+    ASSERT_GT(pid, 0);
+    // Every tenth client runs to the end; the others die within 40 ms of their first
+    // message — within the stream (16 ms or more), around its commit or after it — or now
+    // and then before their first message.
+    const bool let_finish = i % 10 == 9;
+    if (!let_finish) {
+      if (i % 10 != 4) {
+        ASSERT_NE(fgets(line, sizeof(line), child), nullptr) << "iteration " << i;
+        ASSERT_STREQ(line, "started\n");
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(rng() % 40000));
+      kill(pid, SIGKILL);
+    }
+    while (fgets(line, sizeof(line), child) != nullptr) {
+    }
+    pclose(child);
+    std::string now;
+    const grpc::Status read = testing::ReadPages(d, "k", pages, &now);
+    ASSERT_TRUE(read.ok()) << "iteration " << i << ": " << read.error_message();
+    if (now == held) {
+      ++dropped;
+      ASSERT_FALSE(let_finish) << "iteration " << i << ": a client that ran to its end stored nothing";
+    } else {
+      const std::string mine = written(seed);
+      ASSERT_EQ(now, mine) << "iteration " << i << ": the pages hold neither the last write nor "
+                           << "the killed one's: a partial write";
+      held = mine;
+      ++committed;
+    }
+  }
+  std::printf("%d clients: %d writes committed, %d dropped\n", n, committed, dropped);
+  EXPECT_GT(committed, 0);
+  EXPECT_GT(dropped, 0);  // both outcomes happened: the kills landed inside streams
+  // Nothing leaked: the pages are the pool's only ones, a full write still fits in the
+  // budgets, and the threads of the killed streams are gone.
+  const v1::Stats stats = testing::GetStats(d);
+  ASSERT_EQ(stats.pools_size(), 1);
+  EXPECT_EQ(stats.pools(0).pages_used(), static_cast<uint64_t>(num_pages));
+  std::vector<v1::TokenLocation> where;
+  for (const auto& p : pages) {
+    for (int s = 0; s < ps; ++s) where.push_back(testing::Location(p, s));
+  }
+  const auto rows = testing::RandomRows(static_cast<int64_t>(where.size()), 7);
+  for (int k = 0; k < 20; ++k) {  // 20 × 128 KiB through a 1 MiB staging budget
+    const grpc::Status w = testing::WriteTokens(d, "k", 0, where, rows, 4);
+    ASSERT_TRUE(w.ok()) << w.error_message();
+  }
+  int64_t threads_after = testing::ProcStatus(d.pid(), "Threads");
+  for (int k = 0; k < 100 && threads_after > threads_before + 8; ++k) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    threads_after = testing::ProcStatus(d.pid(), "Threads");
+  }
+  EXPECT_LE(threads_after, threads_before + 8) << "threads before: " << threads_before;
+  EXPECT_TRUE(d.Alive());
+}
+
+}  // namespace
+}  // namespace kvferry
