@@ -167,6 +167,22 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   d->session_service_ = std::make_unique<SessionService>(sessions, d->auth_.get());
   d->cache_service_ =
       std::make_unique<KvCacheService>(d->pools_.get(), cache, options.service, d->auth_.get());
+  if (options.ucx) {
+    absl::StatusOr<std::unique_ptr<UcxWorker>> ucx = UcxWorker::Create(options.ucx_options);
+    if (ucx.ok()) {
+      d->ucx_ = std::move(*ucx);
+    } else {
+      log::Warn("UCX could not start ({}); Push and Pull are off", ucx.status().ToString());
+    }
+  }
+  d->transfers_ = std::make_unique<TransferEngine>(
+      d->pools_.get(), d->ucx_.get(), d->auth_.get(), options.service.write_limits, options.peer,
+      [metrics](const PeerTransferRecord& r) {
+        metrics->RecordPeerTransfer(r.op, r.peer, r.sent, r.bytes, r.seconds,
+                                    r.status.ok() ? "" : ReasonName(ReasonOf(r.status)));
+      });
+  d->transfer_service_ = std::make_unique<TransferService>(d->transfers_.get());
+  d->peer_service_ = std::make_unique<PeerService>(d->transfers_.get());
 
   // The health service answers without a token (probes have none). Reflection cannot check
   // tokens, so it is only offered when there are none.
@@ -203,12 +219,15 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   builder.RegisterService(d->service_.get());
   builder.RegisterService(d->session_service_.get());
   builder.RegisterService(d->cache_service_.get());
+  builder.RegisterService(d->transfer_service_.get());
+  builder.RegisterService(d->peer_service_.get());
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
   interceptors.push_back(std::make_unique<MetricsInterceptorFactory>(
       d->daemon_metrics_.get(), MetricsInterceptorFactory::KnownMethods(
-                                  {"kvferry.v1.KvFerry", "kvferry.v1.KvSession", "kvferry.v1.KvCache"})));
+                                  {"kvferry.v1.KvFerry", "kvferry.v1.KvSession", "kvferry.v1.KvCache",
+                                   "kvferry.v1.Transfer", "kvferry.v1.Peer"})));
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
   d->server_ = builder.BuildAndStart();
   if (!d->server_ || d->grpc_port_ == 0) {

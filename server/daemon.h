@@ -17,6 +17,8 @@
 #include "service/cache_service.h"
 #include "service/pool_service.h"
 #include "service/session_service.h"
+#include "service/transfer_service.h"
+#include "transport/ucx_worker.h"
 
 namespace kvferry::server {
 
@@ -66,6 +68,11 @@ struct DaemonOptions {
   // wait for a request's next bytes.
   int http_threads = 32;
   double http_read_timeout_seconds = 2;
+  // Pages between daemons (Push/Pull): UCX on unless `ucx` is false; a UCX that cannot
+  // start leaves the daemon serving without it (Push/Pull then say TRANSPORT_UNAVAILABLE).
+  bool ucx = true;
+  UcxOptions ucx_options;
+  PeerOptions peer;
   // Every this many seconds glibc is asked to return free heap memory to the system
   // (malloc_trim); 0: never.
   double malloc_trim_seconds = 0;
@@ -84,6 +91,8 @@ class Daemon {
   const std::string& default_device() const { return default_device_; }
   // A one-line description of the security in force, for the start-up log.
   const std::string& security_summary() const { return security_summary_; }
+  // The UCX transports in use ("tcp", "default", ...), or "off".
+  std::string ucx_summary() const { return ucx_ ? ucx_->transports() : "off"; }
 
   // Re-reads the token file now (SIGHUP); on an error the tokens in force stay. OK when
   // there is no token file.
@@ -107,6 +116,10 @@ class Daemon {
   std::unique_ptr<KvCacheService> cache_service_;
   std::unique_ptr<KvFerryService> service_;
   std::unique_ptr<SessionService> session_service_;
+  std::unique_ptr<UcxWorker> ucx_;
+  std::unique_ptr<TransferEngine> transfers_;
+  std::unique_ptr<TransferService> transfer_service_;
+  std::unique_ptr<PeerService> peer_service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<MetricsServer> metrics_;
   int grpc_port_ = 0;

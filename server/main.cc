@@ -76,6 +76,19 @@ ABSL_FLAG(double, http_read_timeout_seconds, 2,
           "/metrics and /healthz: the longest wait for a request's next bytes");
 ABSL_FLAG(double, malloc_trim_seconds, 10,
           "Return free heap memory to the system this often (malloc_trim); 0: never");
+ABSL_FLAG(bool, ucx, true,
+          "Move pages to and from other kvferryd daemons over UCX (Push/Pull); false turns it off");
+ABSL_FLAG(std::string, ucx_transports, "",
+          "UCX transports (UCX_TLS) for peers: tcp, sm, rc, ... ; empty: UCX's choice or $UCX_TLS");
+ABSL_FLAG(double, peer_timeout_seconds, 5,
+          "A Push/Pull fails UNAVAILABLE when the peer moves nothing for this long");
+ABSL_FLAG(std::string, peer_token_file, "",
+          "File holding the bearer token this daemon presents to peer daemons");
+ABSL_FLAG(std::string, peer_tls_ca, "",
+          "Reach peer daemons over TLS, checking their certificate against this CA (PEM); "
+          "--tls_cert/--tls_key are offered to them for mutual TLS");
+ABSL_FLAG(int64_t, peer_message_bytes, int64_t{8} << 20,
+          "Bytes per UCX message of a Push/Pull (whole pages; at most 64 MiB)");
 ABSL_FLAG(std::string, port_file, "",
           "If set, write 'grpc_port metrics_port' here once listening (for tests and scripts)");
 
@@ -151,6 +164,19 @@ absl::StatusOr<DaemonOptions> OptionsFromFlags(const config::ConfigFile* file) {
   options.http_threads = absl::GetFlag(FLAGS_http_threads);
   options.http_read_timeout_seconds = absl::GetFlag(FLAGS_http_read_timeout_seconds);
   options.malloc_trim_seconds = absl::GetFlag(FLAGS_malloc_trim_seconds);
+  options.ucx = absl::GetFlag(FLAGS_ucx);
+  options.ucx_options.transports = absl::GetFlag(FLAGS_ucx_transports);
+  options.peer.timeout_seconds = absl::GetFlag(FLAGS_peer_timeout_seconds);
+  options.peer.token_file = absl::GetFlag(FLAGS_peer_token_file);
+  options.peer.tls_ca_file = absl::GetFlag(FLAGS_peer_tls_ca);
+  options.peer.tls_cert_file = options.tls.cert_file;
+  options.peer.tls_key_file = options.tls.key_file;
+  options.peer.message_bytes = absl::GetFlag(FLAGS_peer_message_bytes);
+  if (options.peer.timeout_seconds <= 0 || options.peer.message_bytes < 1 ||
+      options.peer.message_bytes > (int64_t{64} << 20)) {
+    return absl::InvalidArgumentError(
+        "--peer_timeout_seconds must be positive and --peer_message_bytes in [1, 64 MiB]");
+  }
   for (const auto& [name, value] :
        {std::pair<const char*, int64_t>{"--max_pools", absl::GetFlag(FLAGS_max_pools)},
         {"--max_streams", absl::GetFlag(FLAGS_max_streams)},
@@ -275,10 +301,10 @@ int main(int argc, char** argv) {
     return 1;
   }
   kvferry::server::log::Info(
-      "kvferryd {} serving grpc_port={} metrics_port={} default_device={} {} "
+      "kvferryd {} serving grpc_port={} metrics_port={} default_device={} {} ucx={} "
       "formats=v4(584),v41(528),v41_fp4(288)",
       KVFERRY_VERSION, (*daemon)->grpc_port(), (*daemon)->metrics_port(),
-      (*daemon)->default_device(), (*daemon)->security_summary());
+      (*daemon)->default_device(), (*daemon)->security_summary(), (*daemon)->ucx_summary());
   if (const std::string path = absl::GetFlag(FLAGS_port_file); !path.empty()) {
     const std::string temp = path + ".tmp";
     std::ofstream(temp) << (*daemon)->grpc_port() << " " << (*daemon)->metrics_port() << "\n";

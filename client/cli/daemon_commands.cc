@@ -1,4 +1,4 @@
-// `kvferry pool|pages|put|get-pages|get-workspace|stats|bench|health|cache`.
+// `kvferry pool|pages|put|get-pages|get-workspace|push|pull|stats|bench|health|cache`.
 #include "daemon_commands.h"
 
 #include <algorithm>
@@ -42,6 +42,10 @@ sent as the bearer token); --tls-ca PEM (TLS, trusting this CA) with --tls-cert 
   kvferry put POOL --pages PAGES.json --layer L --rows ROWS.bf16 --locs LOCS.i64
   kvferry get-pages POOL --pages PAGES.json [--layers 0,1] [--transcode-to LAYOUT] --out FILE
   kvferry get-workspace POOL --pages PAGES.json --layer L --locs LOCS.i64 --out FILE
+  kvferry push POOL --pages PAGES.json [--layers 0,1] --to HOST:PORT --to-pool POOL2
+               --to-pages PAGES2.json [--transcode-to LAYOUT]
+  kvferry pull POOL --pages PAGES.json [--layers 0,1] --from HOST:PORT --from-pool POOL2
+               --from-pages PAGES2.json [--transcode-to LAYOUT]
   kvferry stats
   kvferry bench [--layout v41] [--page-size 64] [--tokens N] [--device D]
   kvferry health
@@ -378,6 +382,24 @@ std::optional<Failure> Put(const Context& c) {
   return std::nullopt;
 }
 
+// --layers 0,1 and --transcode-to LAYOUT, both optional.
+std::optional<Failure> LayersAndTranscode(const Context& c, std::vector<uint32_t>* layers,
+                                          std::optional<client::Layout>* transcode) {
+  if (auto text = c.words.Get("layers")) {
+    for (absl::string_view part : absl::StrSplit(*text, ',')) {
+      uint32_t l;
+      KVF_CLI_TRY(ParseNumber("--layers", std::string(part), &l));
+      layers->push_back(l);
+    }
+  }
+  if (auto text = c.words.Get("transcode-to")) {
+    client::Layout l;
+    KVF_CLI_TRY(LayoutOption(*text, &l));
+    *transcode = l;
+  }
+  return std::nullopt;
+}
+
 std::optional<Failure> GetPages(const Context& c) {
   const auto& p = c.words.positional();
   if (p.size() != 2) return Usage("get-pages needs POOL");
@@ -385,19 +407,8 @@ std::optional<Failure> GetPages(const Context& c) {
   KVF_CLI_TRY(Required(c.words, "pages", &pages_path));
   KVF_CLI_TRY(Required(c.words, "out", &out_path));
   std::vector<uint32_t> layers;
-  if (auto text = c.words.Get("layers")) {
-    for (absl::string_view part : absl::StrSplit(*text, ',')) {
-      uint32_t l;
-      KVF_CLI_TRY(ParseNumber("--layers", std::string(part), &l));
-      layers.push_back(l);
-    }
-  }
   std::optional<client::Layout> transcode;
-  if (auto text = c.words.Get("transcode-to")) {
-    client::Layout l;
-    KVF_CLI_TRY(LayoutOption(*text, &l));
-    transcode = l;
-  }
+  KVF_CLI_TRY(LayersAndTranscode(c, &layers, &transcode));
   if (auto unused = c.words.Unused()) return Usage(absl::StrCat("unknown option --", *unused));
   std::vector<PageHandle> pages;
   KVF_CLI_TRY(ReadPagesFile(pages_path, &pages));
@@ -405,6 +416,42 @@ std::optional<Failure> GetPages(const Context& c) {
   if (!bytes.ok()) return FromStatus(bytes.status());
   KVF_CLI_TRY(WriteBytes(out_path, *bytes));
   if (c.json) c.out << json{{"pool", p[1]}, {"bytes", bytes->size()}, {"out", out_path}}.dump() << "\n";
+  return std::nullopt;
+}
+
+// push (this daemon's pages → a peer's) and pull (a peer's pages → this daemon's).
+std::optional<Failure> Transfer(const Context& c, bool push) {
+  const auto& p = c.words.positional();
+  const char* name = push ? "push" : "pull";
+  if (p.size() != 2) return Usage(absl::StrCat(name, " needs POOL"));
+  const std::string peer = push ? "to" : "from";
+  std::string pages_path;
+  client::Client::PeerPages other;
+  std::string other_pages_path;
+  KVF_CLI_TRY(Required(c.words, "pages", &pages_path));
+  KVF_CLI_TRY(Required(c.words, peer, &other.address));
+  KVF_CLI_TRY(Required(c.words, peer + "-pool", &other.pool));
+  KVF_CLI_TRY(Required(c.words, peer + "-pages", &other_pages_path));
+  std::vector<uint32_t> layers;
+  std::optional<client::Layout> transcode;
+  KVF_CLI_TRY(LayersAndTranscode(c, &layers, &transcode));
+  if (auto unused = c.words.Unused()) return Usage(absl::StrCat("unknown option --", *unused));
+  std::vector<PageHandle> pages;
+  KVF_CLI_TRY(ReadPagesFile(pages_path, &pages));
+  KVF_CLI_TRY(ReadPagesFile(other_pages_path, &other.pages));
+  absl::StatusOr<client::Client::TransferResult> r =
+      push ? c.client.Push(p[1], pages, other, layers, transcode)
+           : c.client.Pull(other, p[1], pages, layers, transcode);
+  if (!r.ok()) return FromStatus(r.status());
+  if (c.json) {
+    c.out << json{{"pool", p[1]}, {peer, other.address}, {peer + "_pool", other.pool},
+                  {"pages", r->pages}, {"bytes", r->bytes}, {"seconds", r->seconds},
+                  {"transport", r->transport}}.dump()
+          << "\n";
+  } else {
+    c.out << (push ? "pushed " : "pulled ") << r->pages << " pages (" << r->bytes << " bytes) in "
+          << r->seconds << " s over UCX (" << r->transport << ")\n";
+  }
   return std::nullopt;
 }
 
@@ -768,7 +815,7 @@ std::optional<Failure> CacheCommand(const Context& c) {
 
 bool IsDaemonCommand(const std::string& command) {
   static const std::set<std::string> kCommands = {"pool", "pages", "put", "get-pages",
-                                                  "get-workspace", "stats", "bench", "health",
+                                                  "get-workspace", "push", "pull", "stats", "bench", "health",
                                                   "cache"};
   return kCommands.contains(command);
 }
@@ -836,6 +883,8 @@ int RunDaemonCommand(const std::vector<std::string>& args, std::ostream& out, st
   else if (command == "pages") failure = Pages(c);
   else if (command == "put") failure = Put(c);
   else if (command == "get-pages") failure = GetPages(c);
+  else if (command == "push") failure = Transfer(c, true);
+  else if (command == "pull") failure = Transfer(c, false);
   else if (command == "get-workspace") failure = GetWorkspace(c);
   else if (command == "stats") failure = StatsCommand(c);
   else if (command == "bench") failure = Bench(c);

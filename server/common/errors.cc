@@ -25,7 +25,8 @@ constexpr const char* kNames[kNumErrorReasons] = {
     "QUOTA_EXCEEDED", "NOT_AUTHENTICATED", "NAMESPACE_NOT_FOUND", "NAMESPACE_EXISTS",
     "NAMESPACE_MISMATCH", "LEASE_EXPIRED", "BLOCK_INCOMPLETE", "CACHE_FULL", "EVENTS_LOST",
     "PUBLISHER_CHANGED", "NAMESPACE_DELETED", "NOT_A_MEMBER",
-    nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,  // 52-59
+    "PEER_UNAVAILABLE", "TRANSPORT_UNAVAILABLE",
+    nullptr, nullptr, nullptr, nullptr, nullptr, nullptr,  // 54-59
     "DAEMON_BUDGET_EXHAUSTED", "STREAM_IDLE_TIMEOUT", "STREAM_TOO_LONG",
 };
 
@@ -34,6 +35,13 @@ constexpr const char* kNames[kNumErrorReasons] = {
 const char* ReasonName(ErrorReason reason) {
   const int i = static_cast<int>(reason);
   return i >= 0 && i < kNumErrorReasons && kNames[i] != nullptr ? kNames[i] : kNames[0];
+}
+
+ErrorReason ReasonFromName(absl::string_view name) {
+  for (int i = 1; i < kNumErrorReasons; ++i) {
+    if (kNames[i] != nullptr && name == kNames[i]) return static_cast<ErrorReason>(i);
+  }
+  return ErrorReason::kUnspecified;
 }
 
 absl::Status Error(absl::StatusCode code, ErrorReason reason, absl::string_view message) {

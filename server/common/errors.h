@@ -65,7 +65,9 @@ enum class ErrorReason {
   kPublisherChanged,
   kNamespaceDeleted,
   kNotAMember,
-  // 52-59: unused.
+  kPeerUnavailable,
+  kTransportUnavailable,
+  // 54-59: unused.
   kDaemonBudgetExhausted = 60,
   kStreamIdleTimeout = 61,
   kStreamTooLong = 62,
@@ -76,6 +78,9 @@ inline constexpr int kNumErrorReasons = static_cast<int>(ErrorReason::kStreamToo
 
 // The proto name of a reason ("STALE_PAGE_HANDLE").
 const char* ReasonName(ErrorReason reason);
+
+// The reason named `name` ("STALE_PAGE_HANDLE"); kUnspecified for a name it does not know.
+ErrorReason ReasonFromName(absl::string_view name);
 
 // A status of `code` whose reason is `reason`.
 absl::Status Error(absl::StatusCode code, ErrorReason reason, absl::string_view message);

@@ -27,10 +27,13 @@ int64_t OutputPageBytes(const Pool& pool, std::optional<Layout> layout) {
 
 // ---- the batch pipeline ----------------------------------------------------------------------
 
-Reader::~Reader() {
+Reader::~Reader() { Stop(); }
+
+void Reader::Stop() {
   for (Slot& slot : slots_) {
     if (slot.busy) Finish(slot).IgnoreError();
   }
+  failed_ = true;
 }
 
 absl::Status Reader::Start(int64_t index) {

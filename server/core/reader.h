@@ -29,6 +29,9 @@ class Reader {
   // The next batch (valid until the next call or the reader's end), or an empty span once
   // every byte was produced. After an error the reader is done.
   absl::StatusOr<std::span<const uint8_t>> Next();
+  // Finishes the batch in flight and releases its pages; Next() fails from then on. The
+  // batches' memory lives until the reader is destroyed.
+  void Stop();
   // Bytes of the whole output.
   int64_t total_bytes() const { return total_bytes_; }
 

@@ -52,6 +52,16 @@ uint8_t* StagingArena::At(int64_t offset) const {
   return chunks_[offset / kChunkBytes].get() + offset % kChunkBytes;
 }
 
+std::vector<std::span<uint8_t>> StagingArena::Pieces(int64_t offset, int64_t bytes) const {
+  std::vector<std::span<uint8_t>> pieces;
+  for (int64_t at = offset; at < offset + bytes;) {
+    const int64_t n = std::min(kChunkBytes - at % kChunkBytes, offset + bytes - at);
+    pieces.emplace_back(At(at), static_cast<size_t>(n));
+    at += n;
+  }
+  return pieces;
+}
+
 void StagingArena::CopyOps(uint8_t* device, std::vector<Op>& ops) const {
   for (int64_t at = 0; at < size_; at += kChunkBytes) {
     ops.push_back(CopyOp{device + at, At(at), static_cast<size_t>(std::min(kChunkBytes, size_ - at))});
@@ -176,6 +186,47 @@ absl::Status StagedWrite::AddPageBytes(const PageHandle& page, int64_t layer, ui
   arena_.Write(staged.offset + static_cast<int64_t>(staged.received), data);
   staged.received += data.size();
   return absl::OkStatus();
+}
+
+absl::Status StagedWrite::ReservePages(std::span<const PageHandle> pages,
+                                       std::span<const int64_t> layers) {
+  const int64_t page_bytes = pool_->geometry().page_bytes();
+  const int64_t units = static_cast<int64_t>(pages.size() * layers.size());
+  if (units == 0) {
+    return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kEmptyWrite,
+                 "no page or no layer to write");
+  }
+  if (units > limits_.max_bytes / page_bytes) {
+    return Error(absl::StatusCode::kResourceExhausted, ErrorReason::kWriteTooLarge,
+                 absl::StrCat(units, " pages of ", page_bytes, " bytes exceed the limit of ",
+                              limits_.max_bytes, " bytes per write; split it"));
+  }
+  for (int64_t layer : layers) KVF_RETURN_IF_ERROR(pool_->CheckLayer(layer));
+  for (const PageHandle& page : pages) {
+    KVF_RETURN_IF_ERROR(pool_->table().CheckHandle(page));
+    KVF_RETURN_IF_ERROR(CheckGeneration(page));
+    for (int64_t layer : layers) {
+      auto [it, inserted] = page_index_.try_emplace(
+          std::make_pair(page.page_id, static_cast<int>(layer)), pages_.size());
+      if (!inserted) {
+        return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kDuplicatePage,
+                     absl::StrCat("page ", page.page_id, " layer ", layer,
+                                  " is named twice as a destination"));
+      }
+      KVF_ASSIGN_OR_RETURN(const int64_t at, arena_.Reserve(page_bytes));
+      pages_.push_back(StagedPage{page, static_cast<int>(layer), at, 0});
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::vector<std::span<uint8_t>> StagedWrite::StagingPieces(int64_t offset, int64_t bytes) const {
+  return arena_.Pieces(offset, bytes);
+}
+
+void StagedWrite::MarkReceived() {
+  const uint64_t page_bytes = static_cast<uint64_t>(pool_->geometry().page_bytes());
+  for (StagedPage& p : pages_) p.received = page_bytes;
 }
 
 absl::StatusOr<int64_t> StagedWrite::Commit() {

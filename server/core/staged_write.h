@@ -47,6 +47,8 @@ class StagingArena {
   // Host pointer of a reserved offset, valid for the bytes up to the end of its chunk.
   uint8_t* At(int64_t offset) const;
   int64_t size() const { return size_; }
+  // The pieces (each within one chunk) of bytes [offset, offset + bytes).
+  std::vector<std::span<uint8_t>> Pieces(int64_t offset, int64_t bytes) const;
   // Copy ops that move the whole stream to `device` (size() bytes).
   void CopyOps(uint8_t* device, std::vector<Op>& ops) const;
 
@@ -72,6 +74,16 @@ class StagedWrite {
   // order, possibly over several messages, and must be complete at commit.
   absl::Status AddPageBytes(const PageHandle& page, int64_t layer, uint64_t offset,
                             std::span<const uint8_t> data);
+
+  // Pages write whose bytes arrive by other means (another daemon, over UCX): reserves,
+  // for each page in order, for each layer in order, one page of staging, with the checks of
+  // AddPageBytes (handles, layers, limits) and no (page, layer) twice (DUPLICATE_PAGE).
+  // StagingPieces() then says where a range of that byte stream lies, and MarkReceived()
+  // that every byte is there.
+  absl::Status ReservePages(std::span<const PageHandle> pages, std::span<const int64_t> layers);
+  // The pieces of staging (in order) that hold stream bytes [offset, offset + bytes).
+  std::vector<std::span<uint8_t>> StagingPieces(int64_t offset, int64_t bytes) const;
+  void MarkReceived();
 
   // Stores everything: the number of rows (rows write) or (page, layer) pairs stored.
   absl::StatusOr<int64_t> Commit();

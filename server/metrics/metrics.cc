@@ -120,7 +120,28 @@ DaemonMetrics::DaemonMetrics(std::function<std::vector<PoolStats>()> pools)
       refusals_("kvferry_refusals_total",
                 "Requests refused or streams ended by a budget, quota or time bound, by reason "
                 "and resource.",
-                {"reason", "resource"}) {}
+                {"reason", "resource"}),
+      peer_bytes_("kvferry_peer_bytes_total",
+                  "Page bytes moved over UCX with each peer daemon, by direction (sent, received).",
+                  {"peer", "direction"}),
+      peer_seconds_("kvferry_peer_transfer_seconds",
+                    "Push and Pull latency, first message to the destination's commit, in seconds "
+                    "(succeeded transfers, on the daemon the client called and on its peer).",
+                    {"op"}, LatencyBounds()),
+      peer_failures_("kvferry_peer_transfer_failures_total",
+                     "Failed Push and Pull transfers by op and error reason.", {"op", "reason"}) {}
+
+void DaemonMetrics::RecordPeerTransfer(const std::string& op, const std::string& peer, bool sent,
+                                       uint64_t bytes, double seconds, const std::string& failure) {
+  if (bytes > 0) peer_bytes_.Add({peer, sent ? "sent" : "received"}, static_cast<double>(bytes));
+  if (failure.empty()) {
+    peer_seconds_.Observe({op}, seconds);
+  } else {
+    std::string label = failure;
+    for (char& c : label) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    peer_failures_.Add({op, label}, 1);
+  }
+}
 
 void DaemonMetrics::RecordRefusal(const std::string& reason, const std::string& resource) {
   refusals_.Add({reason, resource}, 1);
@@ -255,6 +276,9 @@ std::string DaemonMetrics::Render() const {
   bytes_sent_.Render(out);
   kernel_seconds_.Render(out);
   refusals_.Render(out);
+  peer_bytes_.Render(out);
+  peer_seconds_.Render(out);
+  peer_failures_.Render(out);
   return out;
 }
 

@@ -91,6 +91,11 @@ class DaemonMetrics : public OpObserver, public TransferObserver {
   // A request refused or ended by a budget or time bound: the reason ("quota_exceeded",
   // "daemon_budget_exhausted", "stream_idle_timeout", ...) and the resource ("streams").
   void RecordRefusal(const std::string& reason, const std::string& resource);
+  // One transfer with a peer daemon (Push/Pull): op "push" or "pull", the peer's address,
+  // whether this daemon sent or received the bytes, its bytes and time, and for a failure
+  // its reason name ("" when it succeeded).
+  void RecordPeerTransfer(const std::string& op, const std::string& peer, bool sent,
+                          uint64_t bytes, double seconds, const std::string& failure);
 
   // The whole exposition text.
   std::string Render() const;
@@ -110,6 +115,9 @@ class DaemonMetrics : public OpObserver, public TransferObserver {
   CounterFamily bytes_sent_;
   HistogramFamily kernel_seconds_;
   CounterFamily refusals_;
+  CounterFamily peer_bytes_;
+  HistogramFamily peer_seconds_;
+  CounterFamily peer_failures_;
 };
 
 // The HTTP endpoint's own bounds.

@@ -55,6 +55,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(ClientOptions options) {
   impl->channel = MakeChannel(options);
   impl->stub = v1::KvFerry::NewStub(impl->channel);
   impl->cache = v1::KvCache::NewStub(impl->channel);
+  impl->transfer = v1::Transfer::NewStub(impl->channel);
   impl->options = std::move(options);
   return std::unique_ptr<Client>(new Client(std::move(impl)));
 }

@@ -16,6 +16,7 @@
 #include "kvferry/client/client.h"
 #include "kvferry/v1/cache.grpc.pb.h"
 #include "kvferry/v1/kvferry.grpc.pb.h"
+#include "kvferry/v1/transfer.grpc.pb.h"
 
 namespace kvferry::client {
 using namespace internal;  // NOLINT: the shared conversions
@@ -25,6 +26,7 @@ struct Client::Impl {
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::KvFerry::Stub> stub;
   std::unique_ptr<v1::KvCache::Stub> cache;
+  std::unique_ptr<v1::Transfer::Stub> transfer;
 
   void Prepare(grpc::ClientContext& ctx, const CallOptions& call) const {
     internal::Prepare(ctx, options, call.timeout.value_or(options.timeout));

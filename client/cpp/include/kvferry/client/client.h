@@ -239,6 +239,34 @@ class Client {
 
   absl::StatusOr<Stats> GetStats(CallOptions call = {});
 
+  // ---- between daemons (UCX) ----
+  // Pages of `pool` here → pages `to.pages` of pool `to.pool` on the daemon at
+  // `to.address` (allocated there by the caller), each listed layer into the same layer
+  // (all layers when empty), optionally transcoded on the way (to the destination pool's
+  // layout). All or nothing at the destination; OK means committed and readable there.
+  struct PeerPages {
+    std::string address;  // host:port of the peer daemon's gRPC listener
+    std::string pool;
+    std::vector<PageHandle> pages;
+  };
+  struct TransferResult {
+    uint64_t pages = 0;    // (page, layer) pairs committed
+    uint64_t bytes = 0;    // bytes moved over UCX
+    double seconds = 0;    // as the daemon measured it
+    std::string transport; // UCX transports of the receiving daemon
+  };
+  absl::StatusOr<TransferResult> Push(const std::string& pool, std::span<const PageHandle> pages,
+                                      const PeerPages& to, std::span<const uint32_t> layers = {},
+                                      std::optional<Layout> transcode_to = std::nullopt,
+                                      CallOptions call = {});
+  // Pages `from.pages` of pool `from.pool` on the daemon at `from.address` → pages of
+  // `pool` here; the same rules.
+  absl::StatusOr<TransferResult> Pull(const PeerPages& from, const std::string& pool,
+                                      std::span<const PageHandle> pages,
+                                      std::span<const uint32_t> layers = {},
+                                      std::optional<Layout> transcode_to = std::nullopt,
+                                      CallOptions call = {});
+
   // ---- the KV cache ----
   // Creates a namespace over pools of the caller (the same binding again: the existing one).
   absl::StatusOr<NamespaceInfo> CreateNamespace(const NamespaceSpec& spec, CallOptions call = {});

@@ -1,0 +1,156 @@
+// Pages pushed between two kvferryd processes over UCX, per transport, against the ceiling
+// measured in the same run: ucx_perftest tag_bw with 4 MiB messages on the same transports
+// (and, beside it, the gRPC ReadPages path of the same bytes).
+//
+// Usage: transfer_bench [--device cpu|cuda:N] [--peer-device D] [--transports tcp;tcp,cma]
+//                       [--reps N] [--perftest PATH] [--message-bytes N]
+// Prints one line per (transport, size): GB/s of Push, of ReadPages, the ceiling, and the
+// ratio. GB = 1e9 bytes.
+#include <grpcpp/grpcpp.h>
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "integration/daemon_harness.h"
+#include "kvferry/v1/kvferry.grpc.pb.h"
+#include "kvferry/v1/transfer.grpc.pb.h"
+
+namespace {
+
+using kvferry::testing::Daemon;
+namespace v1 = kvferry::v1;
+
+double Now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+std::string Arg(int argc, char** argv, const std::string& name, const std::string& fallback) {
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (argv[i] == "--" + name) return argv[i + 1];
+  }
+  return fallback;
+}
+
+// ucx_perftest tag_bw, 4 MiB messages, on `transports`: the overall bandwidth in GB/s.
+double Perftest(const std::string& perftest, const std::string& transports, int port) {
+  const std::string env = "UCX_TLS=" + transports + " ";
+  const std::string args = " -t tag_bw -s 4194304 -n 400 -p " + std::to_string(port);
+  const std::string server = env + perftest + args + " > /dev/null 2>&1 &";
+  if (std::system(server.c_str()) != 0) return 0;
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  FILE* out = popen((env + perftest + " 127.0.0.1" + args + " 2>&1").c_str(), "r");
+  if (out == nullptr) return 0;
+  char line[512];
+  double mbs = 0;
+  while (fgets(line, sizeof(line), out) != nullptr) {
+    double v[7];
+    if (std::sscanf(line, "Final: %lf %lf %lf %lf %lf %lf %lf", &v[0], &v[1], &v[2], &v[3], &v[4],
+                    &v[5], &v[6]) == 7) {
+      mbs = v[5];  // overall bandwidth, MB/s (2^20 bytes)
+    }
+  }
+  pclose(out);
+  return mbs * 1048576.0 / 1e9;
+}
+
+std::vector<v1::PageHandle> Allocate(Daemon& d, const std::string& pool, int64_t count) {
+  std::vector<v1::PageHandle> pages;
+  while (static_cast<int64_t>(pages.size()) < count) {
+    const int n = static_cast<int>(std::min<int64_t>(count - pages.size(), 60000));
+    auto more = kvferry::testing::Allocate(d, pool, n);
+    pages.insert(pages.end(), more.begin(), more.end());
+  }
+  return pages;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string device = Arg(argc, argv, "device", "cpu");
+  const std::string peer_device = Arg(argc, argv, "peer-device", device);
+  const std::string perftest = Arg(argc, argv, "perftest", "ucx_perftest");
+  const int reps = std::atoi(Arg(argc, argv, "reps", "3").c_str());
+  const std::string message_bytes = Arg(argc, argv, "message-bytes", "8388608");
+  std::vector<std::string> transports;
+  {
+    std::string list = Arg(argc, argv, "transports", "tcp;tcp,cma");
+    for (size_t at = 0; at <= list.size();) {
+      const size_t end = std::min(list.find(';', at), list.size());
+      transports.push_back(list.substr(at, end - at));
+      at = end + 1;
+    }
+  }
+  constexpr int kPageSize = 64;
+  const int64_t page_bytes = kvferry::PageBytes(kvferry::Layout::kV41, kPageSize);  // 33792
+  int port = 13400;
+  for (const std::string& t : transports) {
+    const double ceiling = Perftest(perftest, t, port++);
+    setenv("KVFERRY_TEST_DEVICE", device.c_str(), 1);
+    const std::vector<std::string> flags = {"--ucx_transports=" + t,
+                                            "--max_staged_write_bytes=4294967296",
+                                            "--peer_message_bytes=" + message_bytes};
+    Daemon a(flags);
+    setenv("KVFERRY_TEST_DEVICE", peer_device.c_str(), 1);
+    Daemon b(flags);
+    for (const int64_t bytes : {int64_t{64} << 20, int64_t{1} << 30}) {
+      const int64_t n = bytes / page_bytes;
+      setenv("KVFERRY_TEST_DEVICE", device.c_str(), 1);
+      kvferry::testing::CreatePool(a, "src", kvferry::Layout::kV41, kPageSize, n);
+      setenv("KVFERRY_TEST_DEVICE", peer_device.c_str(), 1);
+      kvferry::testing::CreatePool(b, "dst", kvferry::Layout::kV41, kPageSize, n);
+      const auto src = Allocate(a, "src", n);
+      const auto dst = Allocate(b, "dst", n);
+      v1::PushRequest req;
+      req.set_pool("src");
+      for (const auto& p : src) *req.add_pages() = p;
+      req.set_to_address("127.0.0.1:" + std::to_string(b.grpc_port()));
+      req.set_to_pool("dst");
+      for (const auto& p : dst) *req.add_to_pages() = p;
+      auto stub = v1::Transfer::NewStub(a.channel());
+      double best = 1e9;
+      for (int r = 0; r < reps; ++r) {
+        grpc::ClientContext ctx;
+        v1::TransferPagesResponse resp;
+        const double start = Now();
+        const grpc::Status s = stub->Push(&ctx, req, &resp);
+        const double took = Now() - start;
+        if (!s.ok()) {
+          std::fprintf(stderr, "push failed: %s\n", s.error_message().c_str());
+          return 1;
+        }
+        best = std::min(best, took);
+      }
+      // The same bytes over gRPC: ReadPages from the source daemon.
+      double grpc_best = 1e9;
+      for (int r = 0; r < reps; ++r) {
+        std::string out;
+        const double start = Now();
+        if (!kvferry::testing::ReadPages(a, "src", src, &out).ok()) return 1;
+        grpc_best = std::min(grpc_best, Now() - start);
+      }
+      const double moved = static_cast<double>(n * page_bytes);
+      const double gbs = moved / best / 1e9;
+      std::printf(
+          "transport=%s device=%s->%s bytes=%.0f push=%.2f GB/s (%.1f ms) grpc_readpages=%.2f GB/s "
+          "ceiling(ucx_perftest tag_bw 4MiB)=%.2f GB/s ratio=%.0f%%\n",
+          t.c_str(), device.c_str(), peer_device.c_str(), moved, gbs, best * 1e3,
+          moved / grpc_best / 1e9, ceiling, ceiling > 0 ? 100.0 * gbs / ceiling : 0.0);
+      std::fflush(stdout);
+      if (std::getenv("TRANSFER_BENCH_METRICS") != nullptr) {
+        for (Daemon* d : {&a, &b}) {
+          const std::string cmd = "curl -s 127.0.0.1:" + std::to_string(d->metrics_port()) +
+                                  "/metrics | grep -E '_(sum|count)' | grep -E 'kernel|peer|Push|Exchange'";
+          std::system(cmd.c_str());
+        }
+      }
+      kvferry::testing::DeletePool(a, "src");
+      kvferry::testing::DeletePool(b, "dst");
+    }
+  }
+  return 0;
+}

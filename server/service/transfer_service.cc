@@ -1,0 +1,590 @@
+// Push and Pull between daemons: gRPC for the agreement, UCX for the bytes.
+#include "service/transfer_service.h"
+
+#include <chrono>
+#include <condition_variable>
+#include <fstream>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "absl/random/random.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "absl/time/clock.h"
+#include "common/errors.h"
+#include "common/log.h"
+#include "kvferry/kernels/status_macros.h"
+#include "service/convert.h"
+#include "service/status.h"
+
+namespace kvferry::server {
+namespace {
+
+using Tenant = std::shared_ptr<TenantAccount>;
+using PeerStream = grpc::ClientReaderWriter<v1::PeerMessage, v1::PeerMessage>;
+
+constexpr int64_t kMaxMessageBytes = int64_t{64} << 20;
+
+double Seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+absl::Status PeerUnavailable(absl::string_view what) {
+  return Error(absl::StatusCode::kUnavailable, ErrorReason::kPeerUnavailable, what);
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view what) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  if (!in) {
+    return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                 absl::StrCat("cannot read ", what, " '", path, "'"));
+  }
+  return text.str();
+}
+
+// The status a peer's stream ended with, its reason read back from the trailer. A stream
+// our own timer cancelled, or one that broke, is the peer's unavailability.
+absl::Status FromPeer(const grpc::Status& status, const grpc::ClientContext& context,
+                      bool timed_out, absl::string_view peer) {
+  if (status.ok()) return absl::OkStatus();
+  if (timed_out) {
+    return PeerUnavailable(absl::StrCat("peer ", peer, " did not answer in time"));
+  }
+  const auto& trailers = context.GetServerTrailingMetadata();
+  ErrorReason reason = ErrorReason::kUnspecified;
+  if (auto it = trailers.find(kErrorReasonKey); it != trailers.end()) {
+    reason = ReasonFromName(absl::string_view(it->second.data(), it->second.size()));
+  }
+  const auto code = static_cast<absl::StatusCode>(status.error_code());
+  if (reason == ErrorReason::kUnspecified &&
+      (code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kCancelled ||
+       code == absl::StatusCode::kDeadlineExceeded || code == absl::StatusCode::kUnknown)) {
+    return PeerUnavailable(absl::StrCat("peer ", peer, ": ", status.error_message()));
+  }
+  return Error(code, reason == ErrorReason::kUnspecified ? ReasonOf(absl::Status(code, "")) : reason,
+               absl::StrCat("peer ", peer, ": ", status.error_message()));
+}
+
+// Cancels a client call unless disarmed within the time given: bounds every blocking read
+// of a peer's stream.
+class Deadman {
+ public:
+  explicit Deadman(grpc::ClientContext* context) : context_(context), thread_([this] { Run(); }) {}
+  ~Deadman() {
+    {
+      std::lock_guard lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  void Arm(absl::Duration d) {
+    std::lock_guard lock(mu_);
+    deadline_ = absl::Now() + d;
+    cv_.notify_all();
+  }
+  void Disarm() { Arm(absl::InfiniteDuration()); }
+  bool fired() {
+    std::lock_guard lock(mu_);
+    return fired_;
+  }
+
+ private:
+  void Run() {
+    std::unique_lock lock(mu_);
+    while (!stop_) {
+      if (deadline_ != absl::InfiniteFuture() && absl::Now() >= deadline_) {
+        fired_ = true;
+        context_->TryCancel();
+        deadline_ = absl::InfiniteFuture();
+      }
+      cv_.wait_for(lock, std::chrono::milliseconds(50));
+    }
+  }
+  grpc::ClientContext* const context_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  absl::Time deadline_ = absl::InfiniteFuture();
+  bool fired_ = false;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+// One call to a peer's Peer.Exchange, its reads bounded by the idle time.
+class PeerCall {
+ public:
+  PeerCall(std::string peer, absl::Duration idle)
+      : peer_(std::move(peer)), idle_(idle), deadman_(&context_) {}
+  grpc::ClientContext& context() { return context_; }
+  void Open(v1::Peer::Stub& stub) { stream_ = stub.Exchange(&context_); }
+  absl::Status Write(const v1::PeerMessage& m) {
+    deadman_.Arm(idle_);
+    const bool ok = stream_->Write(m);
+    deadman_.Disarm();
+    return ok ? absl::OkStatus() : Finish();
+  }
+  // The next message, which must be of `kind`.
+  absl::StatusOr<v1::PeerMessage> Read(v1::PeerMessage::KindCase kind) {
+    v1::PeerMessage m;
+    deadman_.Arm(idle_);
+    const bool ok = stream_->Read(&m);
+    deadman_.Disarm();
+    if (!ok) {
+      absl::Status s = Finish();
+      if (s.ok()) {
+        s = PeerUnavailable(absl::StrCat("peer ", peer_, " ended the transfer early"));
+      }
+      return s;
+    }
+    if (m.kind_case() != kind) {
+      Cancel();
+      return Error(absl::StatusCode::kInternal, ErrorReason::kInternalError,
+                   absl::StrCat("peer ", peer_, " answered out of turn (message ",
+                                static_cast<int>(m.kind_case()), ")"));
+    }
+    return m;
+  }
+  absl::Status Finish() {
+    if (finished_) return finish_status_;
+    finished_ = true;
+    stream_->WritesDone();
+    deadman_.Arm(idle_);
+    const grpc::Status s = stream_->Finish();
+    deadman_.Disarm();
+    finish_status_ = FromPeer(s, context_, deadman_.fired(), peer_);
+    return finish_status_;
+  }
+  void Cancel() {
+    context_.TryCancel();
+    if (!finished_) {
+      finished_ = true;
+      stream_->Finish().IgnoreError();
+    }
+  }
+  ~PeerCall() {
+    if (!finished_ && stream_ != nullptr) Cancel();
+  }
+
+ private:
+  const std::string peer_;
+  const absl::Duration idle_;
+  grpc::ClientContext context_;
+  Deadman deadman_;
+  std::unique_ptr<PeerStream> stream_;
+  bool finished_ = false;
+  absl::Status finish_status_;
+};
+
+std::vector<int64_t> Layers(const google::protobuf::RepeatedField<uint32_t>& layers,
+                            const Pool& pool) {
+  std::vector<int64_t> out(layers.begin(), layers.end());
+  if (out.empty()) {
+    for (int64_t l = 0; l < pool.config().num_layers; ++l) out.push_back(l);
+  }
+  return out;
+}
+
+}  // namespace
+
+// ---- the receiving side --------------------------------------------------------------------
+
+class TransferEngine::Receiving {
+ public:
+  std::shared_ptr<StagedWrite> write;
+  std::unique_ptr<UcxWorker::Receives> receives;
+  int64_t bytes = 0;
+  // Waits for every message, then commits all pages or none.
+  absl::StatusOr<int64_t> Finish(absl::Duration idle, const UcxWorker::CancelCheck& cancelled) {
+    KVF_RETURN_IF_ERROR(receives->Wait(idle, cancelled));
+    write->MarkReceived();
+    return write->Commit();
+  }
+};
+
+TransferEngine::TransferEngine(PoolManager* pools, UcxWorker* ucx, const Authenticator* auth,
+                               WriteLimits write_limits, PeerOptions options,
+                               std::function<void(const PeerTransferRecord&)> observer)
+    : pools_(pools),
+      ucx_(ucx),
+      auth_(auth),
+      write_limits_(write_limits),
+      options_(std::move(options)),
+      observer_(std::move(observer)) {
+  if (options_.tls_ca_file.empty()) {
+    credentials_ = grpc::InsecureChannelCredentials();
+    return;
+  }
+  grpc::SslCredentialsOptions ssl;
+  absl::StatusOr<std::string> ca = ReadFile(options_.tls_ca_file, "the peers' CA");
+  if (!ca.ok()) {
+    credentials_status_ = ca.status();
+    return;
+  }
+  ssl.pem_root_certs = *ca;
+  if (!options_.tls_cert_file.empty() && !options_.tls_key_file.empty()) {
+    absl::StatusOr<std::string> cert = ReadFile(options_.tls_cert_file, "certificate");
+    absl::StatusOr<std::string> key = ReadFile(options_.tls_key_file, "key");
+    if (!cert.ok() || !key.ok()) {
+      credentials_status_ = !cert.ok() ? cert.status() : key.status();
+      return;
+    }
+    ssl.pem_cert_chain = *cert;
+    ssl.pem_private_key = *key;
+  }
+  credentials_ = grpc::SslCredentials(ssl);
+}
+
+absl::Status TransferEngine::CheckUcx() const {
+  if (ucx_ == nullptr) {
+    return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kTransportUnavailable,
+                 "this kvferryd runs without UCX (--ucx=false, or UCX could not start), so it "
+                 "cannot move pages to or from another daemon");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<grpc::Channel>> TransferEngine::Channel(const std::string& address) {
+  KVF_RETURN_IF_ERROR(credentials_status_);
+  if (address.empty()) {
+    return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                 "the peer's address is empty; give host:port of its gRPC listener");
+  }
+  kvferry::MutexLock lock(&mu_);
+  auto it = channels_.find(address);
+  if (it == channels_.end()) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(4 << 20);
+    // The peer's death shows within the idle time even without traffic on the stream.
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS,
+                static_cast<int>(std::max(1000.0, options_.timeout_seconds * 500)));
+    args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+                static_cast<int>(std::max(1000.0, options_.timeout_seconds * 500)));
+    args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+    it = channels_.emplace(address, grpc::CreateCustomChannel(address, credentials_, args)).first;
+  }
+  return it->second;
+}
+
+absl::Status TransferEngine::AddToken(grpc::ClientContext& context) const {
+  if (options_.token_file.empty()) return absl::OkStatus();
+  KVF_ASSIGN_OR_RETURN(std::string token, ReadFile(options_.token_file, "the peer token file"));
+  context.AddMetadata("authorization",
+                      absl::StrCat("Bearer ", absl::StripAsciiWhitespace(token)));
+  return absl::OkStatus();
+}
+
+void TransferEngine::Record(const char* op, const std::string& peer, bool sent, uint64_t bytes,
+                            double seconds, const absl::Status& status) const {
+  if (!status.ok()) {
+    log::Info("transfer op={} peer={} failed: {}", op, log::Quoted(peer), status.ToString());
+  }
+  if (observer_) observer_(PeerTransferRecord{op, peer, sent, bytes, seconds, status});
+}
+
+absl::StatusOr<std::unique_ptr<Reader>> TransferEngine::Offer(
+    const std::shared_ptr<Pool>& pool, std::span<const PageHandle> pages,
+    const google::protobuf::RepeatedField<uint32_t>& layer_list, v1::Layout transcode_to,
+    v1::PeerOffer* offer) {
+  KVF_ASSIGN_OR_RETURN(const std::optional<Layout> transcode, TranscodeFromProto(transcode_to));
+  const std::vector<int64_t> layers = Layers(layer_list, *pool);
+  const int64_t page_bytes = OutputPageBytes(*pool, transcode);
+  const int64_t per_message =
+      std::max<int64_t>(1, std::min(options_.message_bytes, kMaxMessageBytes) / page_bytes);
+  KVF_ASSIGN_OR_RETURN(std::unique_ptr<Reader> reader,
+                       server::ReadPages(pool, pages, layers, transcode, per_message * page_bytes));
+  for (int64_t l : layers) offer->add_layers(static_cast<uint32_t>(l));
+  offer->set_layout(ToProto(transcode.value_or(pool->config().layout)));
+  offer->set_page_bytes(static_cast<uint64_t>(page_bytes));
+  offer->set_message_bytes(static_cast<uint64_t>(per_message * page_bytes));
+  offer->set_units(pages.size() * layers.size());
+  return reader;
+}
+
+absl::StatusOr<std::unique_ptr<TransferEngine::Receiving>> TransferEngine::Receive(
+    const std::shared_ptr<Pool>& pool, std::span<const PageHandle> pages,
+    const v1::PeerOffer& offer, v1::PeerReady* ready) {
+  KVF_ASSIGN_OR_RETURN(const Layout layout, FromProto(offer.layout()));
+  KVF_ASSIGN_OR_RETURN(std::unique_ptr<StagedWrite> write,
+                       StagedWrite::ForPages(pool, layout, write_limits_));
+  const int64_t page_bytes = pool->geometry().page_bytes();
+  if (offer.page_bytes() != static_cast<uint64_t>(page_bytes)) {
+    return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kLayoutMismatch,
+                 absl::StrCat("the source's pages are ", offer.page_bytes(), " bytes, pool '",
+                              pool->config().name, "' has pages of ", page_bytes,
+                              " bytes (another page size)"));
+  }
+  const std::vector<int64_t> layers(offer.layers().begin(), offer.layers().end());
+  if (offer.units() != pages.size() * layers.size() || offer.message_bytes() == 0 ||
+      offer.message_bytes() % page_bytes != 0 ||
+      offer.message_bytes() > static_cast<uint64_t>(kMaxMessageBytes)) {
+    return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                 absl::StrCat("the offer does not fit: ", offer.units(), " units for ",
+                              pages.size(), " pages x ", layers.size(), " layers, messages of ",
+                              offer.message_bytes(), " bytes"));
+  }
+  KVF_RETURN_IF_ERROR(write->ReservePages(pages, layers));
+  auto r = std::make_unique<Receiving>();
+  r->write = std::move(write);
+  r->bytes = static_cast<int64_t>(offer.units()) * page_bytes;
+  const int64_t m = static_cast<int64_t>(offer.message_bytes());
+  std::vector<std::vector<std::span<uint8_t>>> messages;
+  for (int64_t at = 0; at < r->bytes; at += m) {
+    messages.push_back(r->write->StagingPieces(at, std::min(m, r->bytes - at)));
+  }
+  if (messages.size() >= (size_t{1} << kUcxTagIndexBits)) {
+    return Error(absl::StatusCode::kResourceExhausted, ErrorReason::kWriteTooLarge,
+                 "too many messages for one transfer; split it");
+  }
+  absl::BitGen random;
+  const uint64_t id = absl::Uniform<uint64_t>(random, 1, uint64_t{1} << 40);
+  KVF_ASSIGN_OR_RETURN(r->receives, ucx_->PostReceives(UcxTag(id, 0), std::move(messages),
+                                                       r->write));
+  ready->set_worker_address(ucx_->address());
+  ready->set_transfer_id(id);
+  ready->set_transport(ucx_->transports());
+  return r;
+}
+
+absl::Status TransferEngine::SendAll(std::unique_ptr<Reader> owned, const v1::PeerOffer& offer,
+                                     const v1::PeerReady& ready,
+                                     const UcxWorker::CancelCheck& cancelled) {
+  KVF_ASSIGN_OR_RETURN(std::unique_ptr<UcxWorker::Sender> sender,
+                       ucx_->Connect(ready.worker_address()));
+  Reader& reader = *owned;
+  const uint64_t total = offer.units() * offer.page_bytes();
+  uint64_t sent = 0;
+  for (uint64_t i = 0;; ++i) {
+    KVF_ASSIGN_OR_RETURN(const std::span<const uint8_t> batch, reader.Next());
+    if (batch.empty()) break;
+    const uint64_t expected = std::min<uint64_t>(offer.message_bytes(), total - sent);
+    if (batch.size() != expected) {
+      return Error(absl::StatusCode::kInternal, ErrorReason::kInternalError,
+                   absl::StrCat("batch ", i, " has ", batch.size(), " bytes, expected ", expected));
+    }
+    if (absl::Status s = sender->Send(UcxTag(ready.transfer_id(), i), batch, idle(), cancelled);
+        !s.ok()) {
+      // The batch in flight on the device ends and its pages are unpinned now.
+      reader.Stop();
+      return s;
+    }
+    sent += batch.size();
+  }
+  return absl::OkStatus();
+}
+
+// ---- the three entry points ----------------------------------------------------------------
+
+absl::Status TransferEngine::Push(const TenantAccount& tenant, const v1::PushRequest& req,
+                                  grpc::ServerContext& context, v1::TransferPagesResponse* out) {
+  KVF_RETURN_IF_ERROR(CheckUcx());
+  KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Get(tenant, req.pool()));
+  if (req.to_pages_size() != req.pages_size()) {
+    return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                 absl::StrCat(req.pages_size(), " source pages but ", req.to_pages_size(),
+                              " destination pages; name one destination page per source page"));
+  }
+  const std::vector<PageHandle> pages = FromProto(req.pages());
+  v1::PeerMessage offer;
+  KVF_ASSIGN_OR_RETURN(std::unique_ptr<Reader> reader,
+                       Offer(pool, pages, req.layers(), req.transcode_to(), offer.mutable_offer()));
+  offer.mutable_offer()->set_pool(req.to_pool());
+  *offer.mutable_offer()->mutable_pages() = req.to_pages();
+  KVF_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, Channel(req.to_address()));
+  v1::Peer::Stub stub(channel);
+  const double start = Seconds();
+  uint64_t bytes = 0;
+  absl::Status status = [&]() -> absl::Status {
+    PeerCall call(req.to_address(), idle());
+    KVF_RETURN_IF_ERROR(AddToken(call.context()));
+    call.Open(stub);
+    KVF_RETURN_IF_ERROR(call.Write(offer));
+    KVF_ASSIGN_OR_RETURN(const v1::PeerMessage ready, call.Read(v1::PeerMessage::kReady));
+    absl::Status sent = SendAll(std::move(reader), offer.offer(), ready.ready(),
+                                [&] { return context.IsCancelled(); });
+    if (!sent.ok()) {
+      call.Cancel();
+      return sent;
+    }
+    bytes = offer.offer().units() * offer.offer().page_bytes();
+    KVF_ASSIGN_OR_RETURN(const v1::PeerMessage done, call.Read(v1::PeerMessage::kDone));
+    KVF_RETURN_IF_ERROR(call.Finish());
+    out->set_pages(done.done().pages());
+    out->set_transport(ready.ready().transport());
+    return absl::OkStatus();
+  }();
+  const double seconds = Seconds() - start;
+  Record("push", req.to_address(), true, bytes, seconds, status);
+  KVF_RETURN_IF_ERROR(status);
+  out->set_bytes(bytes);
+  out->set_seconds(seconds);
+  return absl::OkStatus();
+}
+
+absl::Status TransferEngine::Pull(const TenantAccount& tenant, const v1::PullRequest& req,
+                                  grpc::ServerContext& context, v1::TransferPagesResponse* out) {
+  KVF_RETURN_IF_ERROR(CheckUcx());
+  KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Get(tenant, req.pool()));
+  if (req.pages_size() != req.from_pages_size()) {
+    return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                 absl::StrCat(req.from_pages_size(), " source pages but ", req.pages_size(),
+                              " destination pages; name one destination page per source page"));
+  }
+  const std::vector<PageHandle> pages = FromProto(req.pages());
+  // The destination's handles are checked before the peer is asked for anything.
+  for (const PageHandle& h : pages) KVF_RETURN_IF_ERROR(pool->table().CheckHandle(h));
+  KVF_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, Channel(req.from_address()));
+  v1::Peer::Stub stub(channel);
+  const double start = Seconds();
+  uint64_t bytes = 0;
+  absl::Status status = [&]() -> absl::Status {
+    PeerCall call(req.from_address(), idle());
+    KVF_RETURN_IF_ERROR(AddToken(call.context()));
+    call.Open(stub);
+    v1::PeerMessage request;
+    v1::PeerRequest& r = *request.mutable_request();
+    r.set_pool(req.from_pool());
+    *r.mutable_pages() = req.from_pages();
+    *r.mutable_layers() = req.layers();
+    r.set_transcode_to(req.transcode_to());
+    r.set_num_destination_pages(pages.size());
+    KVF_RETURN_IF_ERROR(call.Write(request));
+    KVF_ASSIGN_OR_RETURN(const v1::PeerMessage offer, call.Read(v1::PeerMessage::kOffer));
+    v1::PeerMessage ready;
+    absl::StatusOr<std::unique_ptr<Receiving>> receiving =
+        Receive(pool, pages, offer.offer(), ready.mutable_ready());
+    if (!receiving.ok()) {
+      call.Cancel();
+      return receiving.status();
+    }
+    KVF_RETURN_IF_ERROR(call.Write(ready));
+    absl::StatusOr<int64_t> committed =
+        (*receiving)->Finish(idle(), [&] { return context.IsCancelled(); });
+    if (!committed.ok()) {
+      call.Cancel();
+      return committed.status();
+    }
+    bytes = static_cast<uint64_t>((*receiving)->bytes);
+    v1::PeerMessage done;
+    done.mutable_done()->set_pages(static_cast<uint64_t>(*committed));
+    // The pages are committed: the peer only learns that it may stop waiting.
+    call.Write(done).IgnoreError();
+    call.Finish().IgnoreError();
+    out->set_pages(static_cast<uint64_t>(*committed));
+    out->set_transport(ucx_->transports());
+    return absl::OkStatus();
+  }();
+  const double seconds = Seconds() - start;
+  Record("pull", req.from_address(), false, bytes, seconds, status);
+  KVF_RETURN_IF_ERROR(status);
+  out->set_bytes(bytes);
+  out->set_seconds(seconds);
+  return absl::OkStatus();
+}
+
+absl::Status TransferEngine::Serve(
+    const TenantAccount& tenant, grpc::ServerContext& context,
+    grpc::ServerReaderWriter<v1::PeerMessage, v1::PeerMessage>* stream) {
+  KVF_RETURN_IF_ERROR(CheckUcx());
+  const std::string peer = context.peer();
+  const double start = Seconds();
+  v1::PeerMessage first;
+  if (!stream->Read(&first)) {
+    return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                 "the transfer stream ended before its first message");
+  }
+  auto cancelled = [&] { return context.IsCancelled(); };
+  if (first.has_offer()) {
+    // Push: this daemon receives.
+    const v1::PeerOffer& offer = first.offer();
+    uint64_t bytes = 0;
+    absl::Status status = [&]() -> absl::Status {
+      KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Get(tenant, offer.pool()));
+      const std::vector<PageHandle> pages = FromProto(offer.pages());
+      v1::PeerMessage ready;
+      KVF_ASSIGN_OR_RETURN(std::unique_ptr<Receiving> receiving,
+                           Receive(pool, pages, offer, ready.mutable_ready()));
+      if (!stream->Write(ready)) {
+        return PeerUnavailable("the sending peer left before the transfer started");
+      }
+      KVF_ASSIGN_OR_RETURN(const int64_t committed, receiving->Finish(idle(), cancelled));
+      bytes = static_cast<uint64_t>(receiving->bytes);
+      v1::PeerMessage done;
+      done.mutable_done()->set_pages(static_cast<uint64_t>(committed));
+      stream->Write(done);
+      return absl::OkStatus();
+    }();
+    Record("push", peer, false, bytes, Seconds() - start, status);
+    return status;
+  }
+  if (first.has_request()) {
+    // Pull: this daemon sends.
+    const v1::PeerRequest& request = first.request();
+    uint64_t bytes = 0;
+    absl::Status status = [&]() -> absl::Status {
+      KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Get(tenant, request.pool()));
+      if (request.num_destination_pages() != static_cast<uint64_t>(request.pages_size())) {
+        return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                     "source and destination page counts differ");
+      }
+      const std::vector<PageHandle> pages = FromProto(request.pages());
+      v1::PeerMessage offer;
+      KVF_ASSIGN_OR_RETURN(std::unique_ptr<Reader> reader,
+                           Offer(pool, pages, request.layers(), request.transcode_to(),
+                                 offer.mutable_offer()));
+      if (!stream->Write(offer)) return PeerUnavailable("the receiving peer left");
+      v1::PeerMessage ready;
+      if (!stream->Read(&ready) || !ready.has_ready()) {
+        return PeerUnavailable("the receiving peer refused or left before it was ready");
+      }
+      KVF_RETURN_IF_ERROR(SendAll(std::move(reader), offer.offer(), ready.ready(), cancelled));
+      bytes = offer.offer().units() * offer.offer().page_bytes();
+      v1::PeerMessage done;
+      stream->Read(&done);  // the receiver's commit (or its end)
+      return absl::OkStatus();
+    }();
+    Record("pull", peer, true, bytes, Seconds() - start, status);
+    return status;
+  }
+  return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+               "a transfer starts with an offer or a request");
+}
+
+// ---- gRPC faces ----------------------------------------------------------------------------
+
+namespace {
+
+template <typename Body>
+grpc::Status Handle(const Authenticator& auth, grpc::ServerContext* context, Body&& body) {
+  absl::StatusOr<std::shared_ptr<TenantAccount>> tenant = auth.Authenticate(*context);
+  if (!tenant.ok()) return ToGrpcStatus(context, tenant.status());
+  return ToGrpcStatus(context, body(**tenant));
+}
+
+}  // namespace
+
+grpc::Status TransferService::Push(grpc::ServerContext* context, const v1::PushRequest* req,
+                                   v1::TransferPagesResponse* out) {
+  return Handle(*engine_->auth(), context, [&](const TenantAccount& tenant) {
+    return engine_->Push(tenant, *req, *context, out);
+  });
+}
+
+grpc::Status TransferService::Pull(grpc::ServerContext* context, const v1::PullRequest* req,
+                                   v1::TransferPagesResponse* out) {
+  return Handle(*engine_->auth(), context, [&](const TenantAccount& tenant) {
+    return engine_->Pull(tenant, *req, *context, out);
+  });
+}
+
+grpc::Status PeerService::Exchange(
+    grpc::ServerContext* context,
+    grpc::ServerReaderWriter<v1::PeerMessage, v1::PeerMessage>* stream) {
+  return Handle(*engine_->auth(), context, [&](const TenantAccount& tenant) {
+    return engine_->Serve(tenant, *context, stream);
+  });
+}
+
+}  // namespace kvferry::server

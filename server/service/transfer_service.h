@@ -1,0 +1,129 @@
+// Pages between daemons (kvferry.v1.Transfer for clients, kvferry.v1.Peer between daemons):
+// gRPC agrees on a transfer, UCX (transport/ucx_worker.h) moves its bytes.
+//
+// The side that receives the bytes stages them whole (a StagedWrite of pages, with its
+// checks), posts one UCX receive per message into that staging, and commits once every
+// message arrived: all pages or none. The side that sends reads its pages as a page Reader
+// does for ReadPages (pinned, checked, transcoded on the way when asked), one message per
+// batch, so gathering the next batch overlaps sending this one.
+#pragma once
+
+#include <grpcpp/grpcpp.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/container/flat_hash_map.h"
+#include "kvferry/mutex.h"
+#include "core/pool_manager.h"
+#include "core/reader.h"
+#include "core/staged_write.h"
+#include "security/authenticator.h"
+#include "transport/ucx_worker.h"
+#include "kvferry/v1/transfer.grpc.pb.h"
+
+namespace kvferry::server {
+
+struct PeerOptions {
+  // A transfer fails UNAVAILABLE (PEER_UNAVAILABLE) when the peer moves nothing (no message
+  // completes, no reply) for this long; with the commit that follows, a dead peer is
+  // reported within twice this.
+  double timeout_seconds = 5;
+  // The bearer token this daemon presents to peers (a file holding it); empty: none.
+  std::string token_file;
+  // Peers are reached over TLS when set: their certificate must be signed by this CA; the
+  // daemon's own certificate and key (when set) are offered for mutual TLS.
+  std::string tls_ca_file;
+  std::string tls_cert_file;
+  std::string tls_key_file;
+  // Bytes per UCX message (rounded down to whole pages, at least one page).
+  int64_t message_bytes = int64_t{8} << 20;
+};
+
+// One finished transfer, for the metrics.
+struct PeerTransferRecord {
+  const char* op;          // "push" or "pull"
+  std::string peer;        // the peer's gRPC address, as the client named it
+  bool sent;               // this daemon sent the bytes (else received them)
+  uint64_t bytes = 0;
+  double seconds = 0;
+  absl::Status status;
+};
+
+class TransferEngine {
+ public:
+  // `ucx` may be null (UCX off): every transfer is then FAILED_PRECONDITION
+  // (TRANSPORT_UNAVAILABLE). All pointers outlive the engine.
+  TransferEngine(PoolManager* pools, UcxWorker* ucx, const Authenticator* auth,
+                 WriteLimits write_limits, PeerOptions options,
+                 std::function<void(const PeerTransferRecord&)> observer);
+
+  absl::Status Push(const TenantAccount& tenant, const v1::PushRequest& req, grpc::ServerContext& context,
+                    v1::TransferPagesResponse* out);
+  absl::Status Pull(const TenantAccount& tenant, const v1::PullRequest& req, grpc::ServerContext& context,
+                    v1::TransferPagesResponse* out);
+  // A peer's side of its transfer: the receiver of a Push, the sender of a Pull.
+  absl::Status Serve(const TenantAccount& tenant, grpc::ServerContext& context,
+                     grpc::ServerReaderWriter<v1::PeerMessage, v1::PeerMessage>* stream);
+
+  const Authenticator* auth() const { return auth_; }
+
+ private:
+  class Receiving;
+  absl::Status CheckUcx() const;
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> Channel(const std::string& address);
+  absl::Status AddToken(grpc::ClientContext& context) const;
+  // Receiver: stages the offered pages and posts the receives; fills `ready`.
+  absl::StatusOr<std::unique_ptr<Receiving>> Receive(const std::shared_ptr<Pool>& pool,
+                                                     std::span<const PageHandle> pages,
+                                                     const v1::PeerOffer& offer,
+                                                     v1::PeerReady* ready);
+  // Sender: a reader of the pages and the offer that describes its bytes.
+  absl::StatusOr<std::unique_ptr<Reader>> Offer(const std::shared_ptr<Pool>& pool,
+                                                std::span<const PageHandle> pages,
+                                                const google::protobuf::RepeatedField<uint32_t>& layers,
+                                                v1::Layout transcode_to, v1::PeerOffer* offer);
+  // Sender: every batch of `reader` as one message to the receiver named by `ready`.
+  absl::Status SendAll(std::unique_ptr<Reader> reader, const v1::PeerOffer& offer,
+                       const v1::PeerReady& ready,
+                       const UcxWorker::CancelCheck& cancelled);
+  absl::Duration idle() const { return absl::Seconds(options_.timeout_seconds); }
+  void Record(const char* op, const std::string& peer, bool sent, uint64_t bytes, double seconds,
+              const absl::Status& status) const;
+
+  PoolManager* const pools_;
+  UcxWorker* const ucx_;
+  const Authenticator* const auth_;
+  const WriteLimits write_limits_;
+  const PeerOptions options_;
+  const std::function<void(const PeerTransferRecord&)> observer_;
+  std::shared_ptr<grpc::ChannelCredentials> credentials_;
+  absl::Status credentials_status_;
+  kvferry::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
+};
+
+class TransferService final : public v1::Transfer::Service {
+ public:
+  explicit TransferService(TransferEngine* engine) : engine_(engine) {}
+  grpc::Status Push(grpc::ServerContext*, const v1::PushRequest*,
+                    v1::TransferPagesResponse*) override;
+  grpc::Status Pull(grpc::ServerContext*, const v1::PullRequest*,
+                    v1::TransferPagesResponse*) override;
+
+ private:
+  TransferEngine* const engine_;
+};
+
+class PeerService final : public v1::Peer::Service {
+ public:
+  explicit PeerService(TransferEngine* engine) : engine_(engine) {}
+  grpc::Status Exchange(grpc::ServerContext*,
+                        grpc::ServerReaderWriter<v1::PeerMessage, v1::PeerMessage>*) override;
+
+ private:
+  TransferEngine* const engine_;
+};
+
+}  // namespace kvferry::server

@@ -1,0 +1,536 @@
+// UcxWorker: one UCX worker, one progress thread, tagged messages between daemons.
+#include "transport/ucx_worker.h"
+
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <ucp/api/ucp.h>
+#include <unistd.h>
+
+#include <condition_variable>
+#include <cstdlib>
+#include <deque>
+#include <future>
+#include <mutex>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/str_cat.h"
+#include "common/errors.h"
+#include "common/log.h"
+#include "kvferry/kernels/status_macros.h"
+
+namespace kvferry::server {
+namespace {
+
+absl::Status UcxError(absl::string_view what, ucs_status_t status) {
+  return Error(absl::StatusCode::kUnavailable, ErrorReason::kPeerUnavailable,
+               absl::StrCat(what, ": ", ucs_status_string(status)));
+}
+
+// The requests of one transfer's sends or receives, and their outcome.
+struct Group {
+  std::mutex mu;
+  std::condition_variable cv;
+  int64_t inflight = 0;   // requests posted and not complete
+  int64_t completed = 0;  // requests completed (progress, for the idle timer)
+  int64_t bytes = 0;      // bytes of the completed requests
+  absl::Status error;     // the first failure
+  bool abandoned = false; // nobody waits: cancelled receives are not errors any more
+  std::vector<void*> requests;            // receives: by message index, null once complete
+  std::vector<size_t> expected;           // receives: bytes of each message
+  std::vector<std::vector<ucp_dt_iov_t>> iovs;  // receives: where each message lands
+  std::shared_ptr<void> keep_alive;       // receives: the memory, until nothing can write it
+
+  void Fail(absl::Status s) {
+    if (error.ok()) error = std::move(s);
+  }
+  // Waits until no request is in flight, an error, `cancelled`, or `idle` without progress.
+  absl::Status Wait(absl::Duration idle, const UcxWorker::CancelCheck& cancelled,
+                    absl::string_view what) {
+    std::unique_lock lock(mu);
+    int64_t seen = completed;
+    absl::Time deadline = absl::Now() + idle;
+    while (inflight > 0 && error.ok()) {
+      cv.wait_for(lock, std::chrono::milliseconds(50));
+      if (completed != seen) {
+        seen = completed;
+        deadline = absl::Now() + idle;
+      }
+      if (inflight == 0 || !error.ok()) break;
+      if (cancelled && cancelled()) {
+        return Error(absl::StatusCode::kCancelled, ErrorReason::kClientCancelled,
+                     absl::StrCat(what, " cancelled"));
+      }
+      if (absl::Now() > deadline) {
+        return Error(absl::StatusCode::kUnavailable, ErrorReason::kPeerUnavailable,
+                     absl::StrCat(what, ": nothing completed for ", absl::FormatDuration(idle),
+                                  "; the peer is gone or stopped answering"));
+      }
+    }
+    return error;
+  }
+};
+
+// What a UCX callback gets as user data: its group and the message index.
+struct RequestContext {
+  std::shared_ptr<Group> group;
+  int64_t index = 0;
+};
+
+void OnReceive(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
+               void* user_data) {
+  std::unique_ptr<RequestContext> ctx(static_cast<RequestContext*>(user_data));
+  Group& g = *ctx->group;
+  std::shared_ptr<void> release;  // dropped outside the lock
+  {
+    std::lock_guard lock(g.mu);
+    if (status == UCS_OK && info->length != g.expected[ctx->index]) {
+      g.Fail(Error(absl::StatusCode::kInternal, ErrorReason::kInternalError,
+                   absl::StrCat("message ", ctx->index, " carried ", info->length,
+                                " bytes, expected ", g.expected[ctx->index])));
+    } else if (status != UCS_OK && !(status == UCS_ERR_CANCELED && g.abandoned)) {
+      g.Fail(UcxError(absl::StrCat("receive of message ", ctx->index), status));
+    } else if (status == UCS_OK) {
+      g.bytes += static_cast<int64_t>(info->length);
+    }
+    g.requests[ctx->index] = nullptr;
+    --g.inflight;
+    ++g.completed;
+    if (g.inflight == 0 && g.abandoned) release = std::move(g.keep_alive);
+  }
+  g.cv.notify_all();
+  ucp_request_free(request);
+}
+
+void OnSend(void* request, ucs_status_t status, void* user_data) {
+  std::unique_ptr<RequestContext> ctx(static_cast<RequestContext*>(user_data));
+  Group& g = *ctx->group;
+  {
+    std::lock_guard lock(g.mu);
+    if (status != UCS_OK) g.Fail(UcxError("send to the peer", status));
+    --g.inflight;
+    ++g.completed;
+  }
+  g.cv.notify_all();
+  ucp_request_free(request);
+}
+
+// Progress thread: marks the group abandoned and cancels its receives still posted. A
+// cancel completes its request at once, in its callback, which takes the group's lock: the
+// requests are collected first and cancelled outside it.
+void CancelReceives(ucp_worker_h worker, Group& g) {
+  std::vector<void*> posted;
+  {
+    std::lock_guard lock(g.mu);
+    g.abandoned = true;
+    for (void* r : g.requests) {
+      if (r != nullptr) posted.push_back(r);
+    }
+  }
+  for (void* r : posted) ucp_request_cancel(worker, r);
+}
+
+}  // namespace
+
+// ---- state shared by the public methods and the progress thread ----------------------------
+
+struct Endpoint {
+  ucp_ep_h ep = nullptr;  // null once closed
+  std::string address;
+  absl::Status error;     // set by the error handler (progress thread)
+};
+
+struct UcxWorker::State {
+  ucp_context_h context = nullptr;
+  ucp_worker_h worker = nullptr;
+  int event_fd = -1;  // the worker's
+  int wake_fd = -1;   // eventfd: a task was queued
+  int epoll_fd = -1;
+
+  std::mutex mu;
+  std::deque<std::function<void()>> queue;
+  bool stop = false;
+
+  // Progress thread only.
+  absl::flat_hash_map<std::string, std::shared_ptr<Endpoint>> endpoints;
+  struct Closing {
+    void* request;
+    std::shared_ptr<Endpoint> endpoint;
+  };
+  std::vector<Closing> closing;
+  std::vector<std::shared_ptr<Group>> receives;  // groups with receives posted
+
+  void Post(std::function<void()> task) {
+    {
+      std::lock_guard lock(mu);
+      queue.push_back(std::move(task));
+    }
+    const uint64_t one = 1;
+    [[maybe_unused]] ssize_t n = write(wake_fd, &one, sizeof(one));
+  }
+  // Runs `fn` on the progress thread and returns its result.
+  template <typename Fn>
+  auto Call(Fn fn) -> decltype(fn()) {
+    std::packaged_task<decltype(fn())()> task(std::move(fn));
+    auto result = task.get_future();
+    Post([&task] { task(); });
+    return result.get();
+  }
+
+  // Progress thread: closes the endpoint (every request on it completes, with an error if
+  // unfinished) and forgets it.
+  void Close(const std::shared_ptr<Endpoint>& e) {
+    if (e->ep == nullptr) return;
+    if (auto it = endpoints.find(e->address); it != endpoints.end() && it->second == e) {
+      endpoints.erase(it);
+    }
+    ucp_request_param_t param{};
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    void* request = ucp_ep_close_nbx(e->ep, &param);
+    e->ep = nullptr;
+    if (UCS_PTR_IS_PTR(request)) closing.push_back({request, e});
+  }
+
+};
+
+namespace {
+
+void OnEndpointError(void* arg, ucp_ep_h, ucs_status_t status) {
+  auto* e = static_cast<Endpoint*>(arg);
+  if (e->error.ok()) e->error = UcxError(absl::StrCat("connection to the peer"), status);
+  log::Warn("ucx: peer endpoint failed: {}", ucs_status_string(status));
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxOptions& options) {
+  std::unique_ptr<UcxWorker> w(new UcxWorker());
+  auto state = std::make_shared<State>();
+  ucp_config_t* config = nullptr;
+  if (ucs_status_t s = ucp_config_read(nullptr, nullptr, &config); s != UCS_OK) {
+    return UcxError("ucp_config_read", s);
+  }
+  if (!options.transports.empty()) {
+    if (ucs_status_t s = ucp_config_modify(config, "TLS", options.transports.c_str());
+        s != UCS_OK) {
+      ucp_config_release(config);
+      return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                   absl::StrCat("UCX transports '", options.transports,
+                                "': ", ucs_status_string(s)));
+    }
+  }
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+  ucs_status_t s = ucp_init(&params, config, &state->context);
+  ucp_config_release(config);
+  if (s != UCS_OK) return UcxError("ucp_init", s);
+  ucp_worker_params_t wparams{};
+  wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wparams.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread touches it
+  if (s = ucp_worker_create(state->context, &wparams, &state->worker); s != UCS_OK) {
+    ucp_cleanup(state->context);
+    return UcxError("ucp_worker_create", s);
+  }
+  ucp_address_t* address = nullptr;
+  size_t length = 0;
+  if (s = ucp_worker_get_address(state->worker, &address, &length); s != UCS_OK) {
+    ucp_worker_destroy(state->worker);
+    ucp_cleanup(state->context);
+    return UcxError("ucp_worker_get_address", s);
+  }
+  w->address_.assign(reinterpret_cast<const char*>(address), length);
+  ucp_worker_release_address(state->worker, address);
+  if (s = ucp_worker_get_efd(state->worker, &state->event_fd); s != UCS_OK) {
+    ucp_worker_destroy(state->worker);
+    ucp_cleanup(state->context);
+    return UcxError("ucp_worker_get_efd", s);
+  }
+  state->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  state->epoll_fd = epoll_create1(EPOLL_CLOEXEC);
+  for (int fd : {state->event_fd, state->wake_fd}) {
+    epoll_event ev{};
+    ev.events = EPOLLIN;
+    ev.data.fd = fd;
+    epoll_ctl(state->epoll_fd, EPOLL_CTL_ADD, fd, &ev);
+  }
+  const char* env = std::getenv("UCX_TLS");
+  w->transports_ = !options.transports.empty() ? options.transports
+                   : env != nullptr             ? std::string(env)
+                                                : std::string("default");
+  w->state_ = std::move(state);
+  w->thread_ = std::thread([raw = w.get()] { raw->Loop(); });
+  return w;
+}
+
+UcxWorker::~UcxWorker() {
+  if (state_ == nullptr) return;
+  {
+    std::lock_guard lock(state_->mu);
+    state_->stop = true;
+  }
+  const uint64_t one = 1;
+  [[maybe_unused]] ssize_t n = write(state_->wake_fd, &one, sizeof(one));
+  thread_.join();
+  ucp_worker_destroy(state_->worker);
+  ucp_cleanup(state_->context);
+  close(state_->epoll_fd);
+  close(state_->wake_fd);
+}
+
+void UcxWorker::Loop() {
+  State& st = *state_;
+  for (;;) {
+    std::deque<std::function<void()>> tasks;
+    bool stop = false;
+    {
+      std::lock_guard lock(st.mu);
+      tasks.swap(st.queue);
+      stop = st.stop;
+    }
+    for (auto& task : tasks) task();
+    while (ucp_worker_progress(st.worker) != 0) {
+    }
+    std::erase_if(st.closing, [](const State::Closing& c) {
+      if (ucp_request_check_status(c.request) == UCS_INPROGRESS) return false;
+      ucp_request_free(c.request);
+      return true;
+    });
+    std::erase_if(st.receives, [](const std::shared_ptr<Group>& g) {
+      std::lock_guard lock(g->mu);
+      return g->inflight == 0;
+    });
+    if (stop) {
+      // Cancel what is still posted, close every endpoint, and progress until UCX is done.
+      for (const auto& g : st.receives) CancelReceives(st.worker, *g);
+      std::vector<std::shared_ptr<Endpoint>> open;
+      for (auto& [address, e] : st.endpoints) open.push_back(e);
+      for (auto& e : open) st.Close(e);
+      const absl::Time give_up = absl::Now() + absl::Seconds(5);
+      while ((!st.closing.empty() || !st.receives.empty()) && absl::Now() < give_up) {
+        ucp_worker_progress(st.worker);
+        std::erase_if(st.closing, [](const State::Closing& c) {
+          if (ucp_request_check_status(c.request) == UCS_INPROGRESS) return false;
+          ucp_request_free(c.request);
+          return true;
+        });
+        std::erase_if(st.receives, [](const std::shared_ptr<Group>& g) {
+          std::lock_guard lock(g->mu);
+          return g->inflight == 0;
+        });
+      }
+      return;
+    }
+    // Endpoints the error handler marked: close them (their requests complete in error).
+    std::vector<std::shared_ptr<Endpoint>> failed;
+    for (auto& [address, e] : st.endpoints) {
+      if (!e->error.ok()) failed.push_back(e);
+    }
+    for (auto& e : failed) st.Close(e);
+    {
+      std::lock_guard lock(st.mu);
+      if (!st.queue.empty() || st.stop) continue;
+    }
+    if (ucp_worker_arm(st.worker) == UCS_ERR_BUSY) continue;
+    epoll_event events[4];
+    // Closing endpoints need a few more rounds of progress; otherwise sleep until woken.
+    epoll_wait(st.epoll_fd, events, 4, st.closing.empty() ? 1000 : 10);
+    uint64_t drained = 0;
+    [[maybe_unused]] ssize_t n = read(st.wake_fd, &drained, sizeof(drained));
+  }
+}
+
+// ---- receives ------------------------------------------------------------------------------
+
+namespace {
+
+class ReceivesImpl final : public UcxWorker::Receives {
+ public:
+  ReceivesImpl(std::shared_ptr<UcxWorker::State> state, std::shared_ptr<Group> group)
+      : state_(std::move(state)), group_(std::move(group)) {}
+  ~ReceivesImpl() override {
+    // Cancel what is still posted; the group keeps the memory until every receive ended.
+    std::shared_ptr<UcxWorker::State> state = state_;
+    std::shared_ptr<Group> group = group_;
+    state->Call([&] {
+      CancelReceives(state->worker, *group);
+      std::shared_ptr<void> release;
+      std::lock_guard lock(group->mu);
+      if (group->inflight == 0) release = std::move(group->keep_alive);
+      return 0;
+    });
+  }
+  absl::Status Wait(absl::Duration idle, const UcxWorker::CancelCheck& cancelled) override {
+    return group_->Wait(idle, cancelled, "receiving pages from the peer");
+  }
+  int64_t received_bytes() const override {
+    std::lock_guard lock(group_->mu);
+    return group_->bytes;
+  }
+
+ private:
+  std::shared_ptr<UcxWorker::State> state_;
+  std::shared_ptr<Group> group_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<UcxWorker::Receives>> UcxWorker::PostReceives(
+    uint64_t tag_base, std::vector<std::vector<std::span<uint8_t>>> messages,
+    std::shared_ptr<void> keep_alive) {
+  auto group = std::make_shared<Group>();
+  group->keep_alive = std::move(keep_alive);
+  group->requests.assign(messages.size(), nullptr);
+  for (const auto& pieces : messages) {
+    std::vector<ucp_dt_iov_t> iov;
+    size_t bytes = 0;
+    for (std::span<uint8_t> p : pieces) {
+      iov.push_back(ucp_dt_iov_t{p.data(), p.size()});
+      bytes += p.size();
+    }
+    group->iovs.push_back(std::move(iov));
+    group->expected.push_back(bytes);
+  }
+  std::shared_ptr<State> state = state_;
+  absl::Status posted = state->Call([&]() -> absl::Status {
+    for (size_t i = 0; i < group->iovs.size(); ++i) {
+      auto* ctx = new RequestContext{group, static_cast<int64_t>(i)};
+      ucp_request_param_t param{};
+      param.op_attr_mask =
+          UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+      param.cb.recv = OnReceive;
+      param.user_data = ctx;
+      param.datatype = ucp_dt_make_iov();
+      void* request = ucp_tag_recv_nbx(state->worker, group->iovs[i].data(), group->iovs[i].size(),
+                                       tag_base + i, ~ucp_tag_t{0}, &param);
+      if (UCS_PTR_IS_ERR(request)) {
+        delete ctx;
+        std::lock_guard lock(group->mu);
+        group->Fail(UcxError("posting a receive", UCS_PTR_STATUS(request)));
+        break;
+      }
+      std::lock_guard lock(group->mu);
+      group->requests[i] = request;
+      ++group->inflight;
+    }
+    state->receives.push_back(group);
+    std::lock_guard lock(group->mu);
+    return group->error;
+  });
+  auto receives = std::make_unique<ReceivesImpl>(state_, group);
+  if (!posted.ok()) return posted;  // ~ReceivesImpl cancels what was posted
+  return receives;
+}
+
+// ---- sends ---------------------------------------------------------------------------------
+
+namespace {
+
+class SenderImpl final : public UcxWorker::Sender {
+ public:
+  SenderImpl(std::shared_ptr<UcxWorker::State> state, std::shared_ptr<Endpoint> endpoint)
+      : state_(std::move(state)), endpoint_(std::move(endpoint)),
+        group_(std::make_shared<Group>()) {}
+
+  absl::Status Send(uint64_t tag, std::span<const uint8_t> data, absl::Duration idle,
+                    const UcxWorker::CancelCheck& cancelled) override {
+    {
+      std::lock_guard lock(group_->mu);
+      KVF_RETURN_IF_ERROR(group_->error);
+    }
+    UcxWorker::State& st = *state_;
+    absl::Status posted = st.Call([&]() -> absl::Status {
+      if (endpoint_->ep == nullptr || !endpoint_->error.ok()) {
+        return endpoint_->error.ok()
+                   ? Error(absl::StatusCode::kUnavailable, ErrorReason::kPeerUnavailable,
+                           "the connection to the peer was closed")
+                   : endpoint_->error;
+      }
+      auto* ctx = new RequestContext{group_, 0};
+      ucp_request_param_t param{};
+      param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+      param.cb.send = OnSend;
+      param.user_data = ctx;
+      void* request = ucp_tag_send_nbx(endpoint_->ep, data.data(), data.size(), tag, &param);
+      if (request == nullptr) {
+        delete ctx;
+        return absl::OkStatus();
+      }
+      if (UCS_PTR_IS_ERR(request)) {
+        delete ctx;
+        return UcxError("send to the peer", UCS_PTR_STATUS(request));
+      }
+      std::lock_guard lock(group_->mu);
+      ++group_->inflight;
+      return absl::OkStatus();
+    });
+    absl::Status done = posted.ok() ? group_->Wait(idle, cancelled, "sending pages to the peer")
+                                    : posted;
+    if (!done.ok()) Abandon();
+    return done;
+  }
+
+  ~SenderImpl() override { Abandon(); }
+
+
+ private:
+  // Closes the endpoint unless every send completed, and waits until UCX released every
+  // buffer (a forced close completes the requests at once).
+  void Abandon() {
+    bool busy;
+    {
+      std::lock_guard lock(group_->mu);
+      busy = group_->inflight > 0 || !group_->error.ok();
+    }
+    if (!busy || closed_) return;
+    closed_ = true;
+    state_->Call([&] {
+      state_->Close(endpoint_);
+      return 0;
+    });
+    std::unique_lock lock(group_->mu);
+    group_->cv.wait(lock, [&] { return group_->inflight == 0; });
+  }
+
+  std::shared_ptr<UcxWorker::State> state_;
+  std::shared_ptr<Endpoint> endpoint_;
+  std::shared_ptr<Group> group_;
+  bool closed_ = false;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<UcxWorker::Sender>> UcxWorker::Connect(const std::string& address) {
+  std::shared_ptr<State> state = state_;
+  absl::StatusOr<std::shared_ptr<Endpoint>> endpoint =
+      state->Call([&]() -> absl::StatusOr<std::shared_ptr<Endpoint>> {
+        if (auto it = state->endpoints.find(address); it != state->endpoints.end()) {
+          if (it->second->error.ok() && it->second->ep != nullptr) return it->second;
+          state->Close(it->second);
+        }
+        auto e = std::make_shared<Endpoint>();
+        e->address = address;
+        ucp_ep_params_t params{};
+        params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
+                            UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+        params.address = reinterpret_cast<const ucp_address_t*>(address.data());
+        params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+        params.err_handler.cb = OnEndpointError;
+        params.err_handler.arg = e.get();
+        // Every endpoint reports its peer's failure, so that no request to a dead peer stays
+        // in flight. UCX 1.13's posix and sysv transports cannot (their shared memory is
+        // reached through tcp or cma then); with only those, the peer is unreachable.
+        if (ucs_status_t s = ucp_ep_create(state->worker, &params, &e->ep); s != UCS_OK) {
+          return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kTransportUnavailable,
+                       absl::StrCat("connecting to the peer's UCX worker: ", ucs_status_string(s),
+                                    " (no transport of this daemon reaches the peer and reports "
+                                    "its failure; posix and sysv alone cannot: add cma or tcp)"));
+        }
+        state->endpoints[address] = e;
+        return e;
+      });
+  if (!endpoint.ok()) return endpoint.status();
+  return std::make_unique<SenderImpl>(state_, std::move(*endpoint));
+}
+
+}  // namespace kvferry::server

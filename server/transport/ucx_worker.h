@@ -1,0 +1,104 @@
+// The UCX data plane of one daemon: a UCX context and worker, driven by one progress thread
+// that sleeps on the worker's event fd when idle (never a spinning core).
+//
+// Bytes move as tagged messages: the receiving daemon posts one receive per message into
+// its staging (an I/O vector over the staging's pieces) before the sender sends, so every
+// message lands where it was expected and nothing waits in UCX's unexpected queue. Tagged
+// receives rather than remote puts because a receive can be cancelled: when a transfer is
+// abandoned, the receiver cancels what has not matched and keeps the staging alive until
+// UCX has completed every receive it posted, so a late message can never land in memory
+// that was freed (a put into freed staging cannot be stopped on tcp or shared memory). On
+// RDMA transports large messages still move zero-copy (UCX's rendezvous protocol).
+//
+// Endpoints are created with peer error handling: a peer that dies completes every
+// request to it with an error. All UCX calls run on the progress thread; the public
+// methods are thread-safe and block the caller, never that thread.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace kvferry::server {
+
+struct UcxOptions {
+  // UCX_TLS for this daemon's context ("tcp", "sm", "rc,sm,self", ...); empty: UCX's own
+  // choice (or the UCX_TLS environment variable).
+  std::string transports;
+};
+
+class UcxWorker {
+ public:
+  // UNAVAILABLE when UCX cannot start (no usable transport).
+  static absl::StatusOr<std::unique_ptr<UcxWorker>> Create(const UcxOptions& options);
+  ~UcxWorker();
+  UcxWorker(const UcxWorker&) = delete;
+  UcxWorker& operator=(const UcxWorker&) = delete;
+
+  // This worker's address, as a peer connects to it (opaque bytes).
+  const std::string& address() const { return address_; }
+  // The transports this context was asked for ("default" when UCX chose).
+  const std::string& transports() const { return transports_; }
+
+  // Polled while a caller waits: true ends the wait with CANCELLED.
+  using CancelCheck = std::function<bool()>;
+
+  // Receives posted for one transfer. Destroying it cancels what has not completed; the
+  // memory stays alive (through the keep-alive given to PostReceives) until UCX has
+  // completed every receive.
+  class Receives {
+   public:
+    virtual ~Receives() = default;
+    // Blocks until every message arrived (OK), a receive failed, `idle` passed without a
+    // message completing (UNAVAILABLE, PEER_UNAVAILABLE), or `cancelled` said so.
+    virtual absl::Status Wait(absl::Duration idle, const CancelCheck& cancelled) = 0;
+    // Bytes received so far.
+    virtual int64_t received_bytes() const = 0;
+  };
+  // Posts receive i of `messages` (the pieces message i fills, in order) under tag
+  // tag_base + i; `keep_alive` owns the memory and is released once no receive can write.
+  absl::StatusOr<std::unique_ptr<Receives>> PostReceives(
+      uint64_t tag_base, std::vector<std::vector<std::span<uint8_t>>> messages,
+      std::shared_ptr<void> keep_alive);
+
+  // A connection to a peer's worker for one transfer.
+  class Sender {
+   public:
+    virtual ~Sender() = default;
+    // Sends `data` as the message `tag` and blocks until UCX is done with `data` (it may be
+    // reused). UNAVAILABLE (PEER_UNAVAILABLE) when the peer failed or nothing completed for
+    // `idle`: the connection is then closed, so no later byte reaches the peer.
+    virtual absl::Status Send(uint64_t tag, std::span<const uint8_t> data, absl::Duration idle,
+                              const CancelCheck& cancelled) = 0;
+  };
+  // An endpoint to the worker at `address` (cached per address while it works).
+  absl::StatusOr<std::unique_ptr<Sender>> Connect(const std::string& address);
+
+  struct State;  // shared with the UCX callbacks
+
+ private:
+  UcxWorker() = default;
+  void Loop();
+
+  std::shared_ptr<State> state_;
+  std::string address_;
+  std::string transports_;
+  std::thread thread_;
+};
+
+// The tag of message `index` of transfer `transfer`: 40 bits of transfer id, 24 of index.
+inline constexpr int kUcxTagIndexBits = 24;
+inline uint64_t UcxTag(uint64_t transfer, uint64_t index) {
+  return (transfer << kUcxTagIndexBits) | index;
+}
+
+}  // namespace kvferry::server

@@ -1,0 +1,415 @@
+// Pages between two real kvferryd processes over UCX (Push and Pull), on loopback, once per
+// transport: TCP, and shared memory.
+#include <httplib.h>
+#include <sys/wait.h>
+
+#include <chrono>
+#include <fstream>
+#include <future>
+#include <map>
+#include <regex>
+
+#include "common/golden.h"
+#include "common/random_rows.h"
+#include "daemon_harness.h"
+#include "kvferry/v1/transfer.grpc.pb.h"
+
+namespace kvferry {
+namespace {
+
+using testing::Daemon;
+using testing::Location;
+
+std::string AsBytes(const std::vector<uint8_t>& v) { return std::string(v.begin(), v.end()); }
+
+std::string Address(const Daemon& d) { return "127.0.0.1:" + std::to_string(d.grpc_port()); }
+
+// The daemon's /metrics text.
+std::string Scrape(const Daemon& d) {
+  httplib::Client client("127.0.0.1", d.metrics_port());
+  auto res = client.Get("/metrics");
+  return res ? res->body : "";
+}
+
+// The value of one sample line of `metrics` that starts with `prefix` ({labels} included).
+double Sample(const std::string& metrics, const std::string& prefix) {
+  const size_t at = metrics.find("\n" + prefix + " ");
+  if (at == std::string::npos) return -1;
+  return std::stod(metrics.substr(at + prefix.size() + 2));
+}
+
+// The daemon's staged write bytes once they fell to zero, or after 10 s what they were.
+double StagedBytesSettled(const Daemon& d) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  double staged = -1;
+  while (std::chrono::steady_clock::now() < deadline) {
+    staged = Sample(Scrape(d), "kvferry_budget_used{resource=\"staged_write_bytes\"}");
+    if (staged == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return staged;
+}
+
+struct Outcome {
+  grpc::Status status;
+  std::string reason;
+  v1::TransferPagesResponse response;
+  double seconds = 0;
+};
+
+Outcome Push(Daemon& from, const std::string& pool, const std::vector<v1::PageHandle>& pages,
+             const std::string& to_address, const std::string& to_pool,
+             const std::vector<v1::PageHandle>& to_pages, v1::Layout transcode_to = v1::LAYOUT_UNSPECIFIED,
+             std::vector<uint32_t> layers = {}) {
+  auto stub = v1::Transfer::NewStub(from.channel());
+  grpc::ClientContext ctx;
+  v1::PushRequest req;
+  req.set_pool(pool);
+  for (const auto& p : pages) *req.add_pages() = p;
+  for (uint32_t l : layers) req.add_layers(l);
+  req.set_transcode_to(transcode_to);
+  req.set_to_address(to_address);
+  req.set_to_pool(to_pool);
+  for (const auto& p : to_pages) *req.add_to_pages() = p;
+  Outcome out;
+  const auto start = std::chrono::steady_clock::now();
+  out.status = stub->Push(&ctx, req, &out.response);
+  out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  out.reason = testing::ReasonOf(ctx);
+  return out;
+}
+
+Outcome Pull(Daemon& to, const std::string& pool, const std::vector<v1::PageHandle>& pages,
+             const std::string& from_address, const std::string& from_pool,
+             const std::vector<v1::PageHandle>& from_pages,
+             v1::Layout transcode_to = v1::LAYOUT_UNSPECIFIED) {
+  auto stub = v1::Transfer::NewStub(to.channel());
+  grpc::ClientContext ctx;
+  v1::PullRequest req;
+  req.set_from_address(from_address);
+  req.set_from_pool(from_pool);
+  for (const auto& p : from_pages) *req.add_from_pages() = p;
+  req.set_transcode_to(transcode_to);
+  req.set_pool(pool);
+  for (const auto& p : pages) *req.add_pages() = p;
+  Outcome out;
+  const auto start = std::chrono::steady_clock::now();
+  out.status = stub->Pull(&ctx, req, &out.response);
+  out.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  out.reason = testing::ReasonOf(ctx);
+  return out;
+}
+
+// Every page of a fresh pool, in page-id order.
+std::vector<v1::PageHandle> AllPages(Daemon& d, const std::string& pool, int count) {
+  std::map<uint64_t, v1::PageHandle> by_id;
+  for (const auto& h : testing::Allocate(d, pool, count)) by_id[h.page_id()] = h;
+  std::vector<v1::PageHandle> pages;
+  for (const auto& [id, h] : by_id) pages.push_back(h);
+  return pages;
+}
+
+// A pool on `d` holding golden case `c` in `layout` (layer 0): returns its pages in id order.
+std::vector<v1::PageHandle> GoldenPool(Daemon& d, const std::string& name,
+                                       const testing::GoldenCase& c, Layout layout) {
+  testing::CreatePool(d, name, layout, c.page_size, c.num_pages);
+  const auto pages = AllPages(d, name, static_cast<int>(c.num_pages));
+  const auto rows = testing::ReadArray<uint16_t>(c.file("input.bf16"));
+  const auto locs = testing::ReadArray<int64_t>(c.file("locs.i64"));
+  std::vector<v1::TokenLocation> where;
+  for (int64_t loc : locs) where.push_back(Location(pages.at(loc / c.page_size), loc % c.page_size));
+  EXPECT_TRUE(testing::WriteTokens(d, name, 0, where, rows, 1000).ok());
+  return pages;
+}
+
+std::string ReadAll(Daemon& d, const std::string& pool, const std::vector<v1::PageHandle>& pages,
+                    std::vector<uint32_t> layers = {}) {
+  std::string bytes;
+  EXPECT_TRUE(testing::ReadPages(d, pool, pages, &bytes, v1::LAYOUT_UNSPECIFIED, layers).ok());
+  return bytes;
+}
+
+// ---- per transport -------------------------------------------------------------------------
+
+// The parameter names the UCX transports: "tcp", or "cma" for shared memory — cross-memory
+// attach moves the bytes, TCP carries UCX's small control messages (UCX 1.13's posix and
+// sysv transports cannot report a dead peer, so they are not enough alone; see
+// TransferOffTest).
+class TransferTest : public ::testing::TestWithParam<std::string> {
+ protected:
+  std::vector<std::string> Flags() const {
+    return {GetParam() == "cma" ? "--ucx_transports=tcp,cma" : "--ucx_transports=" + GetParam()};
+  }
+};
+
+TEST_P(TransferTest, GoldenPoolsArePushedAndPulledByteForByteAndTranscoded) {
+  Daemon a(Flags()), b(Flags());
+  for (const testing::GoldenCase& c : testing::GoldenCases()) {
+    for (Layout layout : testing::AllLayouts()) {
+      const std::string l = LayoutName(layout);
+      const std::string name = c.name + "." + l;
+      SCOPED_TRACE(name);
+      const auto src = GoldenPool(a, name, c, layout);
+      const std::string golden = AsBytes(testing::ReadBytes(c.file("pool." + l + ".bin")));
+      ASSERT_EQ(ReadAll(a, name, src), golden);
+
+      // Push into pages of another order: page i of the source lands in dst[i].
+      testing::CreatePool(b, name, layout, c.page_size, c.num_pages);
+      auto dst = AllPages(b, name, static_cast<int>(c.num_pages));
+      std::reverse(dst.begin(), dst.end());
+      Outcome pushed = Push(a, name, src, Address(b), name, dst);
+      ASSERT_TRUE(pushed.status.ok()) << pushed.status.error_message();
+      EXPECT_EQ(pushed.response.pages(), static_cast<uint64_t>(c.num_pages));
+      EXPECT_EQ(pushed.response.bytes(), golden.size());
+      EXPECT_EQ(ReadAll(b, name, dst), golden);
+
+      // Pull the same pages back into a fresh pool on a.
+      const std::string back = name + ".back";
+      testing::CreatePool(a, back, layout, c.page_size, c.num_pages);
+      const auto back_pages = AllPages(a, back, static_cast<int>(c.num_pages));
+      Outcome pulled = Pull(a, back, back_pages, Address(b), name, dst);
+      ASSERT_TRUE(pulled.status.ok()) << pulled.status.error_message();
+      EXPECT_EQ(pulled.response.bytes(), golden.size());
+      EXPECT_EQ(ReadAll(a, back, back_pages), golden);
+
+      // Transcoded on the way: a V4 pool on b gets the golden transcode of this layout.
+      const std::string v4 = name + ".v4";
+      testing::CreatePool(b, v4, Layout::kV4, c.page_size, c.num_pages);
+      const auto v4_pages = AllPages(b, v4, static_cast<int>(c.num_pages));
+      Outcome transcoded = Push(a, name, src, Address(b), v4, v4_pages, v1::LAYOUT_V4);
+      ASSERT_TRUE(transcoded.status.ok()) << transcoded.status.error_message();
+      EXPECT_EQ(ReadAll(b, v4, v4_pages),
+                AsBytes(testing::ReadBytes(c.file("transcode." + l + "_to_v4.bin"))));
+      // And pulled transcoded: from the V41_FP4-or-other pool on a into a V4 pool on b.
+      const std::string v4_pull = name + ".v4pull";
+      testing::CreatePool(b, v4_pull, Layout::kV4, c.page_size, c.num_pages);
+      const auto v4_pull_pages = AllPages(b, v4_pull, static_cast<int>(c.num_pages));
+      Outcome pulled_v4 = Pull(b, v4_pull, v4_pull_pages, Address(a), name, src, v1::LAYOUT_V4);
+      ASSERT_TRUE(pulled_v4.status.ok()) << pulled_v4.status.error_message();
+      EXPECT_EQ(ReadAll(b, v4_pull, v4_pull_pages),
+                AsBytes(testing::ReadBytes(c.file("transcode." + l + "_to_v4.bin"))));
+    }
+  }
+  // Both sides count the bytes per peer.
+  const std::string metrics = Scrape(a);
+  EXPECT_NE(metrics.find("kvferry_peer_bytes_total{peer=\"" + Address(b) + "\",direction=\"sent\"}"),
+            std::string::npos)
+      << metrics;
+  EXPECT_NE(metrics.find("kvferry_peer_transfer_seconds_count{op=\"push\"}"), std::string::npos);
+}
+
+TEST_P(TransferTest, ListedLayersLandInTheSameLayersAndTheOthersStayZero) {
+  Daemon a(Flags()), b(Flags());
+  testing::CreatePool(a, "src", Layout::kV41, 16, 8, 3);
+  testing::CreatePool(b, "dst", Layout::kV41, 16, 8, 3);
+  const auto src = AllPages(a, "src", 4);
+  const auto dst = AllPages(b, "dst", 4);
+  std::vector<v1::TokenLocation> where;
+  for (const auto& p : src) {
+    for (uint32_t s = 0; s < 16; s += 3) where.push_back(Location(p, s));
+  }
+  for (int layer = 0; layer < 3; ++layer) {
+    const auto rows = testing::RandomRows(where.size(), 100 + layer);
+    ASSERT_TRUE(testing::WriteTokens(a, "src", layer, where, rows).ok());
+  }
+  Outcome pushed = Push(a, "src", src, Address(b), "dst", dst, v1::LAYOUT_UNSPECIFIED, {2, 0});
+  ASSERT_TRUE(pushed.status.ok()) << pushed.status.error_message();
+  EXPECT_EQ(pushed.response.pages(), 8u);
+  EXPECT_EQ(ReadAll(b, "dst", dst, {0}), ReadAll(a, "src", src, {0}));
+  EXPECT_EQ(ReadAll(b, "dst", dst, {2}), ReadAll(a, "src", src, {2}));
+  EXPECT_EQ(ReadAll(b, "dst", dst, {1}), std::string(ReadAll(a, "src", src, {1}).size(), '\0'));
+}
+
+TEST_P(TransferTest, RefusedTransfersChangeNothingAtTheDestination) {
+  Daemon a(Flags()), b(Flags());
+  testing::CreatePool(a, "src", Layout::kV41Fp4, 16, 8);
+  testing::CreatePool(b, "dst", Layout::kV41Fp4, 16, 8);
+  testing::CreatePool(b, "v4", Layout::kV4, 16, 8);
+  const auto src = AllPages(a, "src", 4);
+  auto dst = AllPages(b, "dst", 4);
+  std::vector<v1::TokenLocation> where;
+  for (const auto& p : src) where.push_back(Location(p, 5));
+  ASSERT_TRUE(testing::WriteTokens(a, "src", 0, where, testing::RandomRows(where.size(), 7)).ok());
+  // The destination already holds something of its own.
+  std::vector<v1::TokenLocation> mine;
+  for (const auto& p : dst) mine.push_back(Location(p, 9));
+  ASSERT_TRUE(testing::WriteTokens(b, "dst", 0, mine, testing::RandomRows(mine.size(), 8)).ok());
+  const std::string before = ReadAll(b, "dst", dst);
+
+  // A stale destination handle: freed (and its page allocated again) after the caller got it.
+  const v1::PageHandle stale = dst[2];
+  ASSERT_TRUE(testing::FreePages(b, "dst", {stale}).ok());
+  const auto again = testing::Allocate(b, "dst", 1);
+  Outcome r = Push(a, "src", src, Address(b), "dst", dst);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(r.reason, "STALE_PAGE_HANDLE") << r.status.error_message();
+  dst[2] = again.at(0);
+  std::string after = ReadAll(b, "dst", dst);
+  EXPECT_EQ(after.substr(0, after.size() / 2), before.substr(0, before.size() / 2));
+
+  // Another layout without transcoding; a count mismatch; a pool that is not there.
+  r = Push(a, "src", src, Address(b), "v4", AllPages(b, "v4", 4));
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(r.reason, "LAYOUT_MISMATCH");
+  r = Push(a, "src", src, Address(b), "dst", {dst[0]});
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  r = Push(a, "src", src, Address(b), "nope", dst);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(r.reason, "POOL_NOT_FOUND");
+  // A repeated destination page.
+  r = Push(a, "src", src, Address(b), "dst", {dst[0], dst[0], dst[1], dst[3]});
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(r.reason, "DUPLICATE_PAGE");
+  // A stale source handle (pull): nothing moves.
+  ASSERT_TRUE(testing::FreePages(a, "src", {src[1]}).ok());
+  r = Pull(b, "dst", dst, Address(a), "src", src);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(r.reason, "STALE_PAGE_HANDLE");
+  const size_t q = before.size() / 4;  // one page
+  EXPECT_EQ(ReadAll(b, "dst", {dst[0], dst[1], dst[3]}),
+            before.substr(0, 2 * q) + before.substr(3 * q));
+
+  // Nobody listens at the peer address: UNAVAILABLE, quickly.
+  r = Push(a, "src", {src[0]}, "127.0.0.1:1", "dst", {dst[0]});
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(r.reason, "PEER_UNAVAILABLE");
+  EXPECT_LT(r.seconds, 10.0);
+  // Both daemons serve on.
+  EXPECT_EQ(ReadAll(b, "dst", {dst[0]}), before.substr(0, before.size() / 4));
+}
+
+// kill -9 of either side mid-transfer: the other side's call fails within the bound, its
+// pools are unharmed, its staging is released, and it keeps serving.
+TEST_P(TransferTest, APeerKilledMidTransferFailsTheCallWithinTheBound) {
+  constexpr int kPages = 3000;  // x 64 tokens x 528 B: ~100 MB
+  for (const bool kill_destination : {true, false}) {
+    SCOPED_TRACE(kill_destination ? "destination killed" : "source killed");
+    Daemon a(Flags()), b(Flags());
+    testing::CreatePool(a, "src", Layout::kV41, 64, kPages, 3);
+    testing::CreatePool(b, "dst", Layout::kV41, 64, kPages, 3);
+    const auto src = AllPages(a, "src", kPages);
+    const auto dst = AllPages(b, "dst", kPages);
+    std::vector<v1::TokenLocation> where;
+    for (int i = 0; i < 64; ++i) where.push_back(Location(src[i], i % 64));
+    ASSERT_TRUE(testing::WriteTokens(a, "src", 1, where, testing::RandomRows(where.size(), 3)).ok());
+    const std::string src_before = ReadAll(a, "src", {src.begin(), src.begin() + 64});
+
+    Daemon& survivor = kill_destination ? a : b;
+    Daemon& victim = kill_destination ? b : a;
+    // The survivor's call: a push from a when b dies, a pull into b when a dies.
+    auto call = std::async(std::launch::async, [&] {
+      return kill_destination ? Push(a, "src", src, Address(b), "dst", dst)
+                              : Pull(b, "dst", dst, Address(a), "src", src);
+    });
+    // Kill once bytes are moving (the victim's staging or reads are under way).
+    std::this_thread::sleep_for(std::chrono::milliseconds(150));
+    kill(victim.pid(), SIGKILL);
+    const Outcome r = call.get();
+    if (r.status.ok()) {
+      GTEST_SKIP() << "the transfer finished before the kill (" << r.seconds << " s)";
+    }
+    EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE) << r.status.error_message();
+    EXPECT_EQ(r.reason, "PEER_UNAVAILABLE");
+    EXPECT_LT(r.seconds, 10.0);
+    // The survivor is unharmed and serves: its pages read as before, its staging is back.
+    if (kill_destination) {
+      EXPECT_EQ(ReadAll(a, "src", {src.begin(), src.begin() + 64}), src_before);
+    } else {
+      // Nothing was committed: every destination page still reads zero.
+      EXPECT_EQ(ReadAll(b, "dst", {dst.begin(), dst.begin() + 8}),
+                std::string(8 * 3 * 64 * 528, '\0'));
+    }
+    EXPECT_EQ(StagedBytesSettled(survivor), 0);
+    EXPECT_TRUE(survivor.Alive());
+  }
+}
+
+std::string TransportName(const ::testing::TestParamInfo<std::string>& info) { return info.param; }
+
+INSTANTIATE_TEST_SUITE_P(Transports, TransferTest, ::testing::Values("tcp", "cma"), TransportName);
+
+// ---- without UCX, and through the command line -----------------------------------------------
+
+TEST(TransferOffTest, ADaemonWithoutUcxSaysSo) {
+  Daemon a({"--ucx=false"}), b;
+  testing::CreatePool(a, "src", Layout::kV41, 16, 4);
+  testing::CreatePool(b, "dst", Layout::kV41, 16, 4);
+  Outcome r = Push(a, "src", AllPages(a, "src", 1), Address(b), "dst", AllPages(b, "dst", 1));
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(r.reason, "TRANSPORT_UNAVAILABLE");
+  // The peer without UCX refuses too, and says why.
+  r = Pull(b, "dst", AllPages(b, "dst", 1), Address(a), "src", AllPages(a, "src", 1));
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(r.reason, "TRANSPORT_UNAVAILABLE");
+}
+
+TEST(TransferOffTest, TransportsThatCannotReportADeadPeerAreRefusedWithAReason) {
+  Daemon a({"--ucx_transports=posix,sysv"}), b({"--ucx_transports=posix,sysv"});
+  testing::CreatePool(a, "src", Layout::kV41, 16, 4);
+  testing::CreatePool(b, "dst", Layout::kV41, 16, 4);
+  const auto dst = AllPages(b, "dst", 1);
+  Outcome r = Push(a, "src", AllPages(a, "src", 1), Address(b), "dst", dst);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(r.reason, "TRANSPORT_UNAVAILABLE");
+  EXPECT_NE(r.status.error_message().find("cma or tcp"), std::string::npos)
+      << r.status.error_message();
+  // b dropped what it staged for the refused transfer, and both serve on.
+  EXPECT_EQ(StagedBytesSettled(b), 0);
+  EXPECT_EQ(ReadAll(b, "dst", dst), std::string(PageBytes(Layout::kV41, 16), '\0'));
+}
+
+std::string Slurp(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+TEST(TransferCliTest, PushAndPullThroughTheCommand) {
+  Daemon a, b;
+  const testing::GoldenCase c = testing::GoldenCases().front();
+  const auto src = GoldenPool(a, "gold", c, Layout::kV41Fp4);
+  testing::CreatePool(b, "dst", Layout::kV4, c.page_size, c.num_pages);
+  testing::CreatePool(a, "back", Layout::kV41Fp4, c.page_size, c.num_pages);
+  const auto dst = AllPages(b, "dst", static_cast<int>(c.num_pages));
+  const auto back = AllPages(a, "back", static_cast<int>(c.num_pages));
+  auto write_pages = [&](const std::string& path, const std::vector<v1::PageHandle>& pages) {
+    std::ofstream out(path);
+    out << "[";
+    for (size_t i = 0; i < pages.size(); ++i) {
+      out << (i ? "," : "") << "{\"page_id\": " << pages[i].page_id()
+          << ", \"generation\": " << pages[i].generation() << "}";
+    }
+    out << "]\n";
+  };
+  const std::string dir = a.dir();
+  write_pages(dir + "/src.json", src);
+  write_pages(dir + "/dst.json", dst);
+  write_pages(dir + "/back.json", back);
+  auto kvferry = [&](Daemon& d, const std::string& args) {
+    const std::string command = std::string(KVFERRY_CLI) + " --json --target " + Address(d) + " " +
+                                args + " > " + dir + "/out.txt 2> " + dir + "/err.txt";
+    const int status = std::system(command.c_str());
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  };
+  ASSERT_EQ(kvferry(a, "push gold --pages " + dir + "/src.json --to " + Address(b) +
+                           " --to-pool dst --to-pages " + dir + "/dst.json --transcode-to v4"),
+            0)
+      << Slurp(dir + "/err.txt");
+  EXPECT_NE(Slurp(dir + "/out.txt").find("\"pages\":" + std::to_string(c.num_pages)),
+            std::string::npos);
+  EXPECT_EQ(ReadAll(b, "dst", dst),
+            AsBytes(testing::ReadBytes(c.file("transcode.v41_fp4_to_v4.bin"))));
+  ASSERT_EQ(kvferry(a, "pull back --pages " + dir + "/back.json --from " + Address(a) +
+                           " --from-pool gold --from-pages " + dir + "/src.json"),
+            0)
+      << Slurp(dir + "/err.txt");
+  EXPECT_EQ(ReadAll(a, "back", back), AsBytes(testing::ReadBytes(c.file("pool.v41_fp4.bin"))));
+  // A refused push exits non-zero and names the reason.
+  EXPECT_NE(kvferry(a, "push gold --pages " + dir + "/src.json --to " + Address(b) +
+                           " --to-pool dst --to-pages " + dir + "/dst.json"),
+            0);
+  EXPECT_NE(Slurp(dir + "/err.txt").find("LAYOUT_MISMATCH"), std::string::npos)
+      << Slurp(dir + "/err.txt");
+}
+
+}  // namespace
+}  // namespace kvferry
