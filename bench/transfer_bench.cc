@@ -1,9 +1,10 @@
 // Pages pushed between two kvferryd processes over UCX, per transport, against the ceiling
-// measured in the same run: ucx_perftest tag_bw with 4 MiB messages on the same transports
+// measured in the same run: ucx_perftest tag_bw with 4 MiB messages on the same transports,
+// with peer error handling like kvferryd's endpoints
 // (and, beside it, the gRPC ReadPages path of the same bytes).
 //
 // Usage: transfer_bench [--device cpu|cuda:N] [--peer-device D] [--transports tcp;tcp,cma]
-//                       [--reps N] [--perftest PATH] [--message-bytes N]
+//                       [--reps N] [--perftest PATH] [--message-bytes N] [--cpu-threads N]
 // Prints one line per (transport, size): GB/s of Push, of ReadPages, the ceiling, and the
 // ratio. GB = 1e9 bytes.
 #include <grpcpp/grpcpp.h>
@@ -39,7 +40,9 @@ std::string Arg(int argc, char** argv, const std::string& name, const std::strin
 // ucx_perftest tag_bw, 4 MiB messages, on `transports`: the overall bandwidth in GB/s.
 double Perftest(const std::string& perftest, const std::string& transports, int port) {
   const std::string env = "UCX_TLS=" + transports + " ";
-  const std::string args = " -t tag_bw -s 4194304 -n 400 -p " + std::to_string(port);
+  // -e: endpoints with peer error handling, as kvferryd creates them (UCX then uses only
+  // transports that report a dead peer: cma, for one, is left out).
+  const std::string args = " -t tag_bw -e -s 4194304 -n 400 -p " + std::to_string(port);
   const std::string server = env + perftest + args + " > /dev/null 2>&1 &";
   if (std::system(server.c_str()) != 0) return 0;
   std::this_thread::sleep_for(std::chrono::seconds(1));
@@ -76,6 +79,8 @@ int main(int argc, char** argv) {
   const std::string perftest = Arg(argc, argv, "perftest", "ucx_perftest");
   const int reps = std::atoi(Arg(argc, argv, "reps", "3").c_str());
   const std::string message_bytes = Arg(argc, argv, "message-bytes", "8388608");
+  // Workers of each daemon's cpu backend (0: the usable cores).
+  const std::string cpu_threads = Arg(argc, argv, "cpu-threads", "0");
   std::vector<std::string> transports;
   {
     std::string list = Arg(argc, argv, "transports", "tcp;tcp,cma");
@@ -93,7 +98,8 @@ int main(int argc, char** argv) {
     setenv("KVFERRY_TEST_DEVICE", device.c_str(), 1);
     const std::vector<std::string> flags = {"--ucx_transports=" + t,
                                             "--max_staged_write_bytes=4294967296",
-                                            "--peer_message_bytes=" + message_bytes};
+                                            "--peer_message_bytes=" + message_bytes,
+                                            "--cpu_threads=" + cpu_threads};
     Daemon a(flags);
     setenv("KVFERRY_TEST_DEVICE", peer_device.c_str(), 1);
     Daemon b(flags);

@@ -152,6 +152,9 @@ class Backend {
 
   // "cpu" or "cuda:N".
   virtual const std::string& device() const = 0;
+  // True when the device's memory is host memory the CPU addresses directly (cpu): callers
+  // may then skip staging copies between the two kinds.
+  virtual bool host_memory() const { return false; }
   // Bytes of device memory that an Allocate could still get, as the device reports it.
   virtual absl::StatusOr<uint64_t> FreeBytes() = 0;
 

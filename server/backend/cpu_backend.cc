@@ -102,6 +102,7 @@ class CpuBackend final : public Backend {
         pool_limit_(memory_limit - memory_limit / 8) {}
 
   const std::string& device() const override { return device_; }
+  bool host_memory() const override { return true; }
 
   absl::StatusOr<uint64_t> FreeBytes() override {
     if (limit_ > 0) {

@@ -121,7 +121,12 @@ class PageReader final : public Reader {
     const int64_t dev_converted = AlignUp(k * in_page_, 256);
     const int64_t dev_ids = AlignUp(dev_converted + (transcode_to_ ? k * out_page_ : 0), 256);
     const int64_t dev_slots = dev_ids + k * 8;
-    if (slot.host.get() == nullptr) {
+    // Host memory pools (cpu) are gathered straight into the output slot: no scratch, no
+    // copy back.
+    const bool direct = backend.host_memory() && !transcode_to_;
+    if (slot.host.get() == nullptr && direct) {
+      KVF_ASSIGN_OR_RETURN(slot.host, backend.Allocate(host_slots, MemoryKind::kHostStaging, false));
+    } else if (slot.host.get() == nullptr) {
       KVF_ASSIGN_OR_RETURN(slot.host, backend.Allocate(host_slots + k * page_size * 8,
                                                        MemoryKind::kHostStaging, false));
       KVF_ASSIGN_OR_RETURN(slot.device, backend.Allocate(dev_slots + k * page_size * 8,
@@ -140,6 +145,16 @@ class PageReader final : public Reader {
                        static_cast<int64_t>(h.page_id);
     }
     KVF_ASSIGN_OR_RETURN(PageTable::Pin pin, pool.table().PinPages(handles, false));
+    if (direct) {
+      PageCopyParams gather;
+      gather.geometry = pool.flat_pages();
+      gather.pool = pool.base();
+      gather.pages = ids;
+      gather.num_listed = n;
+      gather.buffer = slot.host.get();
+      const Op op = GatherPagesOp{gather};
+      return Submit(slot, std::span<const Op>(&op, 1), std::move(pin), n * out_page_);
+    }
     uint8_t* dev = slot.device.get();
     PageCopyParams gather;
     gather.geometry = pool.flat_pages();

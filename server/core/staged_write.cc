@@ -25,8 +25,8 @@ StagingArena::~StagingArena() {
 absl::StatusOr<int64_t> StagingArena::Reserve(int64_t bytes) {
   const int64_t offset = size_;
   if (owner_ != nullptr) KVF_RETURN_IF_ERROR(owner_->Charge(Resource::kStagedWriteBytes, bytes));
-  while (static_cast<int64_t>(chunks_.size()) * kChunkBytes < size_ + bytes) {
-    absl::StatusOr<Buffer> chunk = backend_->Allocate(kChunkBytes, MemoryKind::kHostStaging, false);
+  while (static_cast<int64_t>(chunks_.size()) * chunk_bytes_ < size_ + bytes) {
+    absl::StatusOr<Buffer> chunk = backend_->Allocate(chunk_bytes_, MemoryKind::kHostStaging, false);
     if (!chunk.ok()) {
       if (owner_ != nullptr) owner_->Refund(Resource::kStagedWriteBytes, bytes);
       return chunk.status();
@@ -41,7 +41,7 @@ void StagingArena::Write(int64_t offset, std::span<const uint8_t> data) {
   size_t done = 0;
   while (done < data.size()) {
     const int64_t at = offset + static_cast<int64_t>(done);
-    const int64_t in_chunk = std::min<int64_t>(kChunkBytes - at % kChunkBytes,
+    const int64_t in_chunk = std::min<int64_t>(chunk_bytes_ - at % chunk_bytes_,
                                                static_cast<int64_t>(data.size() - done));
     std::memcpy(At(at), data.data() + done, in_chunk);
     done += in_chunk;
@@ -49,13 +49,13 @@ void StagingArena::Write(int64_t offset, std::span<const uint8_t> data) {
 }
 
 uint8_t* StagingArena::At(int64_t offset) const {
-  return chunks_[offset / kChunkBytes].get() + offset % kChunkBytes;
+  return chunks_[offset / chunk_bytes_].get() + offset % chunk_bytes_;
 }
 
 std::vector<std::span<uint8_t>> StagingArena::Pieces(int64_t offset, int64_t bytes) const {
   std::vector<std::span<uint8_t>> pieces;
   for (int64_t at = offset; at < offset + bytes;) {
-    const int64_t n = std::min(kChunkBytes - at % kChunkBytes, offset + bytes - at);
+    const int64_t n = std::min(chunk_bytes_ - at % chunk_bytes_, offset + bytes - at);
     pieces.emplace_back(At(at), static_cast<size_t>(n));
     at += n;
   }
@@ -63,8 +63,8 @@ std::vector<std::span<uint8_t>> StagingArena::Pieces(int64_t offset, int64_t byt
 }
 
 void StagingArena::CopyOps(uint8_t* device, std::vector<Op>& ops) const {
-  for (int64_t at = 0; at < size_; at += kChunkBytes) {
-    ops.push_back(CopyOp{device + at, At(at), static_cast<size_t>(std::min(kChunkBytes, size_ - at))});
+  for (int64_t at = 0; at < size_; at += chunk_bytes_) {
+    ops.push_back(CopyOp{device + at, At(at), static_cast<size_t>(std::min(chunk_bytes_, size_ - at))});
   }
 }
 
@@ -80,14 +80,15 @@ absl::StatusOr<std::unique_ptr<StagedWrite>> StagedWrite::ForRows(std::shared_pt
 
 absl::StatusOr<std::unique_ptr<StagedWrite>> StagedWrite::ForPages(std::shared_ptr<Pool> pool,
                                                                    Layout layout,
-                                                                   WriteLimits limits) {
+                                                                   WriteLimits limits,
+                                                                   int64_t staging_chunk_bytes) {
   if (layout != pool->config().layout) {
     return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kLayoutMismatch,
                  absl::StrCat("layout mismatch: pages are ", LayoutName(layout), ", pool '",
                               pool->config().name, "' holds ", LayoutName(pool->config().layout)));
   }
   return std::unique_ptr<StagedWrite>(
-      new StagedWrite(std::move(pool), /*rows=*/false, -1, limits));
+      new StagedWrite(std::move(pool), /*rows=*/false, -1, limits, staging_chunk_bytes));
 }
 
 absl::Status StagedWrite::CheckGeneration(const PageHandle& page) {
@@ -273,6 +274,22 @@ absl::StatusOr<int64_t> StagedWrite::CommitRows() {
   return n;
 }
 
+std::vector<std::span<uint8_t>> StagedWrite::HostPieces() const {
+  if (!pool_->backend().host_memory()) return {};
+  const int64_t page_bytes = pool_->geometry().page_bytes();
+  std::vector<std::span<uint8_t>> pieces;
+  for (const StagedPage& p : pages_) {
+    std::vector<std::span<uint8_t>> at = arena_.Pieces(p.offset, page_bytes);
+    if (at.size() != 1) return {};  // a page across two chunks: stage on the device
+    if (!pieces.empty() && pieces.back().data() + pieces.back().size() == at[0].data()) {
+      pieces.back() = std::span<uint8_t>(pieces.back().data(), pieces.back().size() + at[0].size());
+    } else {
+      pieces.push_back(at[0]);
+    }
+  }
+  return pieces;
+}
+
 absl::StatusOr<int64_t> StagedWrite::CommitPages() {
   const uint64_t page_bytes = static_cast<uint64_t>(pool_->geometry().page_bytes());
   for (const StagedPage& s : pages_) {
@@ -292,21 +309,37 @@ absl::StatusOr<int64_t> StagedWrite::CommitPages() {
     layers[i] = pages_[i].layer;
     flat_ids[i] = layers[i] * num_pages + page_ids[i];
   }
-  // Device staging: [page bytes | flat page ids].
-  int64_t ids_at = 0;
-  KVF_ASSIGN_OR_RETURN(Buffer staging, StageOnDevice(flat_ids, &ids_at));
-
   std::vector<PageHandle> handles;
   for (const StagedPage& s : pages_) handles.push_back(s.handle);
-  KVF_ASSIGN_OR_RETURN(const PageTable::Pin pin, pool_->table().PinPages(handles, true));
   PageCopyParams scatter;
   scatter.geometry = pool_->flat_pages();
   scatter.pool = pool_->base();
-  scatter.pages = reinterpret_cast<const int64_t*>(staging.get() + ids_at);
-  scatter.num_listed = n;
-  scatter.buffer = staging.get();
-  const Op op = ScatterPagesOp{scatter};
-  const absl::Status stored = pool_->RunTimed("scatter_pages", std::span<const Op>(&op, 1));
+  std::vector<Op> ops;
+  Buffer staging;
+  const std::vector<std::span<uint8_t>> pieces = HostPieces();
+  if (!pieces.empty()) {
+    // Host memory pool, every page within one piece of the arena: each piece's pages are
+    // scattered from where they were staged.
+    int64_t first = 0;
+    for (std::span<uint8_t> piece : pieces) {
+      const int64_t count = static_cast<int64_t>(piece.size() / page_bytes);
+      scatter.pages = flat_ids.data() + first;
+      scatter.num_listed = count;
+      scatter.buffer = piece.data();
+      ops.push_back(ScatterPagesOp{scatter});
+      first += count;
+    }
+  } else {
+    // Device staging: [page bytes | flat page ids].
+    int64_t ids_at = 0;
+    KVF_ASSIGN_OR_RETURN(staging, StageOnDevice(flat_ids, &ids_at));
+    scatter.pages = reinterpret_cast<const int64_t*>(staging.get() + ids_at);
+    scatter.num_listed = n;
+    scatter.buffer = staging.get();
+    ops.push_back(ScatterPagesOp{scatter});
+  }
+  KVF_ASSIGN_OR_RETURN(const PageTable::Pin pin, pool_->table().PinPages(handles, true));
+  const absl::Status stored = pool_->RunTimed("scatter_pages", ops);
   if (stored.ok()) {
     pool_->UnpinWrittenPages(pin, layers, page_ids);
   } else {

@@ -34,8 +34,9 @@ struct WriteLimits {
 class StagingArena {
  public:
   static constexpr int64_t kChunkBytes = int64_t{4} << 20;  // a multiple of a bf16 row
-  explicit StagingArena(Backend* backend, TenantAccount* owner = nullptr)
-      : backend_(backend), owner_(owner) {}
+  explicit StagingArena(Backend* backend, TenantAccount* owner = nullptr,
+                        int64_t chunk_bytes = kChunkBytes)
+      : backend_(backend), owner_(owner), chunk_bytes_(chunk_bytes) {}
   StagingArena(const StagingArena&) = delete;
   StagingArena& operator=(const StagingArena&) = delete;
   ~StagingArena();
@@ -55,6 +56,7 @@ class StagingArena {
  private:
   Backend* const backend_;
   TenantAccount* const owner_;
+  const int64_t chunk_bytes_;
   std::vector<Buffer> chunks_;
   int64_t size_ = 0;
 };
@@ -65,8 +67,11 @@ class StagedWrite {
   static absl::StatusOr<std::unique_ptr<StagedWrite>> ForRows(std::shared_ptr<Pool> pool,
                                                               int64_t layer, WriteLimits limits);
   // A write of page bytes, which the caller says are in `layout` (must be the pool's).
-  static absl::StatusOr<std::unique_ptr<StagedWrite>> ForPages(std::shared_ptr<Pool> pool,
-                                                               Layout layout, WriteLimits limits);
+  // Staging grows in pieces of `staging_chunk_bytes` (a receiver of messages of that size,
+  // a multiple of the page bytes, gets each message in one contiguous piece).
+  static absl::StatusOr<std::unique_ptr<StagedWrite>> ForPages(
+      std::shared_ptr<Pool> pool, Layout layout, WriteLimits limits,
+      int64_t staging_chunk_bytes = StagingArena::kChunkBytes);
 
   // Rows write: one message's locations and rows ([n, 512] bf16 as little-endian bytes).
   absl::Status AddRows(std::span<const TokenLocation> locations, std::span<const uint8_t> rows);
@@ -92,9 +97,10 @@ class StagedWrite {
   int64_t staged_bytes() const { return arena_.size(); }
 
  private:
-  StagedWrite(std::shared_ptr<Pool> pool, bool rows, int layer, WriteLimits limits)
+  StagedWrite(std::shared_ptr<Pool> pool, bool rows, int layer, WriteLimits limits,
+              int64_t staging_chunk_bytes = StagingArena::kChunkBytes)
       : pool_(std::move(pool)), rows_(rows), layer_(layer), limits_(limits),
-        arena_(&pool_->backend(), pool_->owner().get()) {}
+        arena_(&pool_->backend(), pool_->owner().get(), staging_chunk_bytes) {}
   absl::Status CheckGeneration(const PageHandle& page);
   absl::Status CountMessage(bool empty);
   // Device staging holding the arena, then `indices` at *indices_at; copied before any
@@ -102,6 +108,9 @@ class StagedWrite {
   absl::StatusOr<Buffer> StageOnDevice(std::span<const int64_t> indices, int64_t* indices_at);
   absl::StatusOr<int64_t> CommitRows();
   absl::StatusOr<int64_t> CommitPages();
+  // On a host memory pool (cpu): the runs of staged page bytes, in page order, when every
+  // page lies within one chunk of the arena; else (or on a device) none.
+  std::vector<std::span<uint8_t>> HostPieces() const;
 
   const std::shared_ptr<Pool> pool_;
   const bool rows_;

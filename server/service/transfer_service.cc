@@ -307,9 +307,15 @@ absl::StatusOr<std::unique_ptr<TransferEngine::Receiving>> TransferEngine::Recei
     const std::shared_ptr<Pool>& pool, std::span<const PageHandle> pages,
     const v1::PeerOffer& offer, v1::PeerReady* ready) {
   KVF_ASSIGN_OR_RETURN(const Layout layout, FromProto(offer.layout()));
-  KVF_ASSIGN_OR_RETURN(std::unique_ptr<StagedWrite> write,
-                       StagedWrite::ForPages(pool, layout, write_limits_));
   const int64_t page_bytes = pool->geometry().page_bytes();
+  // Staging in pieces of one message each, so that every message lands in one contiguous
+  // buffer (UCX moves contiguous receives zero-copy; an I/O vector falls back to copies).
+  const int64_t message_bytes =
+      offer.message_bytes() > 0 && offer.message_bytes() <= static_cast<uint64_t>(kMaxMessageBytes)
+          ? static_cast<int64_t>(offer.message_bytes())
+          : StagingArena::kChunkBytes;
+  KVF_ASSIGN_OR_RETURN(std::unique_ptr<StagedWrite> write,
+                       StagedWrite::ForPages(pool, layout, write_limits_, message_bytes));
   if (offer.page_bytes() != static_cast<uint64_t>(page_bytes)) {
     return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kLayoutMismatch,
                  absl::StrCat("the source's pages are ", offer.page_bytes(), " bytes, pool '",

@@ -400,9 +400,16 @@ absl::StatusOr<std::unique_ptr<UcxWorker::Receives>> UcxWorker::PostReceives(
           UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
       param.cb.recv = OnReceive;
       param.user_data = ctx;
-      param.datatype = ucp_dt_make_iov();
-      void* request = ucp_tag_recv_nbx(state->worker, group->iovs[i].data(), group->iovs[i].size(),
-                                       tag_base + i, ~ucp_tag_t{0}, &param);
+      // One piece: a contiguous receive, which UCX's rendezvous moves zero-copy; several:
+      // an I/O vector (UCX copies those through bounce buffers).
+      const std::vector<ucp_dt_iov_t>& iov = group->iovs[i];
+      const bool contiguous = iov.size() == 1;
+      param.datatype = contiguous ? ucp_dt_make_contig(1) : ucp_dt_make_iov();
+      void* request = contiguous
+          ? ucp_tag_recv_nbx(state->worker, iov[0].buffer, iov[0].length, tag_base + i,
+                             ~ucp_tag_t{0}, &param)
+          : ucp_tag_recv_nbx(state->worker, group->iovs[i].data(), iov.size(), tag_base + i,
+                             ~ucp_tag_t{0}, &param);
       if (UCS_PTR_IS_ERR(request)) {
         delete ctx;
         std::lock_guard lock(group->mu);
