@@ -37,7 +37,7 @@ void Reader::Stop() {
 }
 
 absl::Status Reader::Start(int64_t index) {
-  Slot& slot = slots_[index % 2];
+  Slot& slot = slots_[index % depth()];
   slot.started = Now();
   slot.op = op_name();
   KVF_RETURN_IF_ERROR(Launch(index, slot));
@@ -67,6 +67,10 @@ absl::Status Reader::Finish(Slot& slot) {
   return s;
 }
 
+void Reader::set_depth(int depth) {
+  if (next_ == 0 && !slots_[0].busy && depth >= 2) slots_.resize(static_cast<size_t>(depth));
+}
+
 absl::StatusOr<std::span<const uint8_t>> Reader::Next() {
   if (failed_) {
     return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kInternalError,
@@ -80,7 +84,7 @@ absl::StatusOr<std::span<const uint8_t>> Reader::Next() {
   if (next_ == 0 && !slots_[0].busy) {
     if (absl::Status s = Start(0); !s.ok()) return fail(s);
   }
-  Slot& slot = slots_[next_ % 2];
+  Slot& slot = slots_[next_ % depth()];
   if (absl::Status s = Finish(slot); !s.ok()) return fail(s);
   if (next_ + 1 < num_batches_) {
     if (absl::Status s = Start(next_ + 1); !s.ok()) return fail(s);

@@ -26,9 +26,15 @@ namespace kvferry::server {
 class Reader {
  public:
   virtual ~Reader();
-  // The next batch (valid until the next call or the reader's end), or an empty span once
-  // every byte was produced. After an error the reader is done.
+  // The next batch, or an empty span once every byte was produced. A batch stays valid until
+  // depth() - 1 more calls (the next call, at the default depth of 2) or the reader's end.
+  // After an error the reader is done.
   absl::StatusOr<std::span<const uint8_t>> Next();
+  // Batches in memory at once (each call to Next launches the batch after the one it
+  // returns): a caller that keeps sending earlier batches while later ones are gathered
+  // asks for more. At least 2; only before the first Next().
+  void set_depth(int depth);
+  int depth() const { return static_cast<int>(slots_.size()); }
   // Finishes the batch in flight and releases its pages; Next() fails from then on. The
   // batches' memory lives until the reader is destroyed.
   void Stop();
@@ -65,7 +71,7 @@ class Reader {
 
   const int64_t num_batches_;
   const int64_t total_bytes_;
-  Slot slots_[2];
+  std::vector<Slot> slots_ = std::vector<Slot>(2);
   int64_t next_ = 0;  // batches returned so far
   bool failed_ = false;
 };

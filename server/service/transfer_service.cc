@@ -360,24 +360,43 @@ absl::Status TransferEngine::SendAll(std::unique_ptr<Reader> owned, const v1::Pe
   KVF_ASSIGN_OR_RETURN(std::unique_ptr<UcxWorker::Sender> sender,
                        ucx_->Connect(ready.worker_address()));
   Reader& reader = *owned;
+  // Batches in memory at once: while batch i is gathered, batches i-1 and i-2 may still be
+  // on the wire. The call that returns batch i launches batch i+1 into the slot of batch
+  // i+1-depth, so that one must have been sent by then.
+  constexpr int kDepth = 4;
+  reader.set_depth(kDepth);
   const uint64_t total = offer.units() * offer.page_bytes();
   uint64_t sent = 0;
-  for (uint64_t i = 0;; ++i) {
-    KVF_ASSIGN_OR_RETURN(const std::span<const uint8_t> batch, reader.Next());
-    if (batch.empty()) break;
+  auto fail = [&](absl::Status s) {
+    // The batch in flight on the device ends and its pages are unpinned now; the sender's
+    // end waited until UCX released every batch.
+    sender.reset();
+    reader.Stop();
+    return s;
+  };
+  int64_t i = 0;
+  for (;; ++i) {
+    if (i + 1 - kDepth >= 0) {
+      if (absl::Status s = sender->WaitThrough(i + 2 - kDepth, idle(), cancelled); !s.ok()) {
+        return fail(s);
+      }
+    }
+    absl::StatusOr<std::span<const uint8_t>> batch = reader.Next();
+    if (!batch.ok()) return fail(batch.status());
+    if (batch->empty()) break;
     const uint64_t expected = std::min<uint64_t>(offer.message_bytes(), total - sent);
-    if (batch.size() != expected) {
-      return Error(absl::StatusCode::kInternal, ErrorReason::kInternalError,
-                   absl::StrCat("batch ", i, " has ", batch.size(), " bytes, expected ", expected));
+    if (batch->size() != expected) {
+      return fail(Error(absl::StatusCode::kInternal, ErrorReason::kInternalError,
+                        absl::StrCat("batch ", i, " has ", batch->size(), " bytes, expected ",
+                                     expected)));
     }
-    if (absl::Status s = sender->Send(UcxTag(ready.transfer_id(), i), batch, idle(), cancelled);
+    if (absl::Status s = sender->Post(UcxTag(ready.transfer_id(), static_cast<uint64_t>(i)), *batch);
         !s.ok()) {
-      // The batch in flight on the device ends and its pages are unpinned now.
-      reader.Stop();
-      return s;
+      return fail(s);
     }
-    sent += batch.size();
+    sent += batch->size();
   }
+  if (absl::Status s = sender->WaitThrough(i, idle(), cancelled); !s.ok()) return fail(s);
   return absl::OkStatus();
 }
 

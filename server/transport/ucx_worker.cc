@@ -39,6 +39,15 @@ struct Group {
   std::vector<size_t> expected;           // receives: bytes of each message
   std::vector<std::vector<ucp_dt_iov_t>> iovs;  // receives: where each message lands
   std::shared_ptr<void> keep_alive;       // receives: the memory, until nothing can write it
+  std::vector<char> sent;                 // sends: by message index, complete
+  int64_t sent_prefix = 0;                // sends: the first this many are complete
+
+  // A send completed (under the lock).
+  void MarkSent(int64_t index) {
+    if (static_cast<int64_t>(sent.size()) <= index) sent.resize(index + 1, 0);
+    sent[index] = 1;
+    while (sent_prefix < static_cast<int64_t>(sent.size()) && sent[sent_prefix]) ++sent_prefix;
+  }
 
   void Fail(absl::Status s) {
     if (error.ok()) error = std::move(s);
@@ -46,16 +55,22 @@ struct Group {
   // Waits until no request is in flight, an error, `cancelled`, or `idle` without progress.
   absl::Status Wait(absl::Duration idle, const UcxWorker::CancelCheck& cancelled,
                     absl::string_view what) {
+    return WaitFor([this] { return inflight == 0; }, idle, cancelled, what);
+  }
+  // The same until `done()` (called under the lock).
+  template <typename Done>
+  absl::Status WaitFor(Done done, absl::Duration idle, const UcxWorker::CancelCheck& cancelled,
+                       absl::string_view what) {
     std::unique_lock lock(mu);
     int64_t seen = completed;
     absl::Time deadline = absl::Now() + idle;
-    while (inflight > 0 && error.ok()) {
+    while (!done() && error.ok()) {
       cv.wait_for(lock, std::chrono::milliseconds(50));
       if (completed != seen) {
         seen = completed;
         deadline = absl::Now() + idle;
       }
-      if (inflight == 0 || !error.ok()) break;
+      if (done() || !error.ok()) break;
       if (cancelled && cancelled()) {
         return Error(absl::StatusCode::kCancelled, ErrorReason::kClientCancelled,
                      absl::StrCat(what, " cancelled"));
@@ -109,6 +124,7 @@ void OnSend(void* request, ucs_status_t status, void* user_data) {
     if (status != UCS_OK) g.Fail(UcxError("send to the peer", status));
     --g.inflight;
     ++g.completed;
+    g.MarkSent(ctx->index);
   }
   g.cv.notify_all();
   ucp_request_free(request);
@@ -441,10 +457,16 @@ class SenderImpl final : public UcxWorker::Sender {
 
   absl::Status Send(uint64_t tag, std::span<const uint8_t> data, absl::Duration idle,
                     const UcxWorker::CancelCheck& cancelled) override {
+    KVF_RETURN_IF_ERROR(Post(tag, data));
+    return WaitThrough(posted_, idle, cancelled);
+  }
+
+  absl::Status Post(uint64_t tag, std::span<const uint8_t> data) override {
     {
       std::lock_guard lock(group_->mu);
       KVF_RETURN_IF_ERROR(group_->error);
     }
+    const int64_t index = posted_++;
     UcxWorker::State& st = *state_;
     absl::Status posted = st.Call([&]() -> absl::Status {
       if (endpoint_->ep == nullptr || !endpoint_->error.ok()) {
@@ -453,7 +475,7 @@ class SenderImpl final : public UcxWorker::Sender {
                            "the connection to the peer was closed")
                    : endpoint_->error;
       }
-      auto* ctx = new RequestContext{group_, 0};
+      auto* ctx = new RequestContext{group_, index};
       ucp_request_param_t param{};
       param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
       param.cb.send = OnSend;
@@ -461,6 +483,8 @@ class SenderImpl final : public UcxWorker::Sender {
       void* request = ucp_tag_send_nbx(endpoint_->ep, data.data(), data.size(), tag, &param);
       if (request == nullptr) {
         delete ctx;
+        std::lock_guard lock(group_->mu);
+        group_->MarkSent(index);
         return absl::OkStatus();
       }
       if (UCS_PTR_IS_ERR(request)) {
@@ -471,8 +495,21 @@ class SenderImpl final : public UcxWorker::Sender {
       ++group_->inflight;
       return absl::OkStatus();
     });
-    absl::Status done = posted.ok() ? group_->Wait(idle, cancelled, "sending pages to the peer")
-                                    : posted;
+    if (!posted.ok()) {
+      {
+        std::lock_guard lock(group_->mu);
+        group_->Fail(posted);
+      }
+      Abandon();
+    }
+    return posted;
+  }
+
+  absl::Status WaitThrough(int64_t messages, absl::Duration idle,
+                           const UcxWorker::CancelCheck& cancelled) override {
+    absl::Status done = group_->WaitFor(
+        [&] { return group_->sent_prefix >= messages; }, idle, cancelled,
+        "sending pages to the peer");
     if (!done.ok()) Abandon();
     return done;
   }
@@ -502,6 +539,7 @@ class SenderImpl final : public UcxWorker::Sender {
   std::shared_ptr<UcxWorker::State> state_;
   std::shared_ptr<Endpoint> endpoint_;
   std::shared_ptr<Group> group_;
+  int64_t posted_ = 0;
   bool closed_ = false;
 };
 

@@ -79,6 +79,12 @@ class UcxWorker {
     // `idle`: the connection is then closed, so no later byte reaches the peer.
     virtual absl::Status Send(uint64_t tag, std::span<const uint8_t> data, absl::Duration idle,
                               const CancelCheck& cancelled) = 0;
+    // Posts `data` as the message `tag`: the n-th Post of this sender is message n of
+    // WaitThrough. `data` must stay valid until WaitThrough says its message completed.
+    virtual absl::Status Post(uint64_t tag, std::span<const uint8_t> data) = 0;
+    // Blocks until the first `messages` posted are complete (failure rules as Send).
+    virtual absl::Status WaitThrough(int64_t messages, absl::Duration idle,
+                                     const CancelCheck& cancelled) = 0;
   };
   // An endpoint to the worker at `address` (cached per address while it works).
   absl::StatusOr<std::unique_ptr<Sender>> Connect(const std::string& address);
