@@ -37,8 +37,8 @@ sent as the bearer token); --tls-ca PEM (TLS, trusting this CA) with --tls-cert 
 --tls-key PEM for a client certificate (mutual TLS); --help after any command):
   kvferry pool create NAME --layout v4|v41|v41_fp4 --page-size N --pages N [--layers N] [--device D]
   kvferry pool list | pool describe NAME | pool delete NAME
-  kvferry pages alloc POOL COUNT --out PAGES.json
-  kvferry pages free POOL --pages PAGES.json
+  kvferry pages alloc POOL COUNT --out PAGES.json [--lease SECONDS]
+  kvferry pages free POOL --pages PAGES.json | pages renew POOL --pages PAGES.json
   kvferry put POOL --pages PAGES.json --layer L --rows ROWS.bf16 --locs LOCS.i64
   kvferry get-pages POOL --pages PAGES.json [--layers 0,1] [--transcode-to LAYOUT] --out FILE
   kvferry get-workspace POOL --pages PAGES.json --layer L --locs LOCS.i64 --out FILE
@@ -336,8 +336,12 @@ std::optional<Failure> Pages(const Context& c) {
     KVF_CLI_TRY(ParseNumber("COUNT", p[3], &count));
     std::string out_path;
     KVF_CLI_TRY(Required(c.words, "out", &out_path));
+    uint32_t lease_seconds = 0;
+    if (auto text = c.words.Get("lease")) KVF_CLI_TRY(ParseNumber("--lease", *text, &lease_seconds));
     if (auto unused = c.words.Unused()) return Usage(absl::StrCat("unknown option --", *unused));
-    absl::StatusOr<std::vector<PageHandle>> pages = c.client.AllocatePages(p[2], count);
+    absl::StatusOr<std::vector<PageHandle>> pages =
+        lease_seconds > 0 ? c.client.AllocatePages(p[2], count, absl::Seconds(lease_seconds))
+                          : c.client.AllocatePages(p[2], count);
     if (!pages.ok()) return FromStatus(pages.status());
     if (auto f = WriteText(out_path, PagesJson(*pages).dump() + "\n")) {
       c.client.FreePages(p[2], *pages).IgnoreError();  // nobody would know the handles
@@ -346,18 +350,20 @@ std::optional<Failure> Pages(const Context& c) {
     if (c.json) c.out << json{{"pool", p[2]}, {"allocated", pages->size()}, {"out", out_path}}.dump() << "\n";
     return std::nullopt;
   }
-  if (p.size() >= 2 && p[1] == "free") {
-    if (p.size() != 3) return Usage("pages free needs POOL");
+  if (p.size() >= 2 && (p[1] == "free" || p[1] == "renew")) {
+    const bool free = p[1] == "free";
+    if (p.size() != 3) return Usage(absl::StrCat("pages ", p[1], " needs POOL"));
     std::string path;
     KVF_CLI_TRY(Required(c.words, "pages", &path));
     if (auto unused = c.words.Unused()) return Usage(absl::StrCat("unknown option --", *unused));
     std::vector<PageHandle> pages;
     KVF_CLI_TRY(ReadPagesFile(path, &pages));
-    if (absl::Status s = c.client.FreePages(p[2], pages); !s.ok()) return FromStatus(s);
-    if (c.json) c.out << json{{"pool", p[2]}, {"freed", pages.size()}}.dump() << "\n";
+    const absl::Status s = free ? c.client.FreePages(p[2], pages) : c.client.RenewPages(p[2], pages);
+    if (!s.ok()) return FromStatus(s);
+    if (c.json) c.out << json{{"pool", p[2]}, {free ? "freed" : "renewed", pages.size()}}.dump() << "\n";
     return std::nullopt;
   }
-  return Usage("pages needs alloc or free");
+  return Usage("pages needs alloc, free or renew");
 }
 
 std::optional<Failure> Put(const Context& c) {

@@ -162,6 +162,31 @@ TEST_F(CliTest, ExitCodesSayUsageOrErrorAndMessagesNameTheReason) {
   EXPECT_EQ(WEXITSTATUS(status), 1);
 }
 
+TEST_F(CliTest, LeasedPagesAreRenewedAndThenFreedByTheDaemon) {
+  ASSERT_EQ(Kvferry("pool create l --layout v41 --page-size 16 --pages 4 --device " +
+                    testing::TestDevice()).code, 0);
+  CliRun r = Kvferry("--json pages alloc l 2 --lease 1 --out " + Path("leased.json"));
+  ASSERT_EQ(r.code, 0) << r.err;
+  for (int i = 0; i < 3; ++i) {  // 1.5 s in all, past the lease, renewed every 0.5 s
+    std::this_thread::sleep_for(std::chrono::milliseconds(500));
+    r = Kvferry("--json pages renew l --pages " + Path("leased.json"));
+    ASSERT_EQ(r.code, 0) << r.err;
+    EXPECT_NE(r.out.find("\"renewed\":2"), std::string::npos) << r.out;
+  }
+  EXPECT_NE(Kvferry("--json pool describe l").out.find("\"pages_used\": 2"), std::string::npos);
+  // Not renewed any more: the daemon frees them, and renewing names the stale handle.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (Kvferry("--json pool describe l").out.find("\"pages_used\": 0") == std::string::npos &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  EXPECT_NE(Kvferry("--json pool describe l").out.find("\"pages_used\": 0"), std::string::npos);
+  r = Kvferry("pages renew l --pages " + Path("leased.json"));
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.err.find("STALE_PAGE_HANDLE"), std::string::npos) << r.err;
+  EXPECT_EQ(Kvferry("pages alloc l 1 --lease -1 --out " + Path("x.json")).code, 2);
+}
+
 TEST_F(CliTest, BenchReportsThroughputAsJson) {
   const CliRun r = Kvferry("bench --tokens 2048 --page-size 16 --device " + testing::TestDevice() + " --json");
   ASSERT_EQ(r.code, 0) << r.err;

@@ -1,6 +1,10 @@
 """Pools and pages through the Client, and the generated stubs it exposes."""
 
+import time
+
+import grpc
 import numpy as np
+import pytest
 
 import kvferry
 from conftest import device, random_rows
@@ -46,3 +50,24 @@ def test_pages_index_and_locate():
     assert page_ids.tolist() == [9, 3, 7]
     assert generations.tolist() == [3, 2, 1]
     assert slots.tolist() == [15, 0, 2]
+
+
+def test_leased_pages_live_while_renewed_and_are_freed_after(client):
+    client.create_pool("leased", kvferry.Layout.V41, 16, 8, device=device())
+    pages = client.allocate_pages("leased", 3, lease_seconds=1)
+    plain = client.allocate_pages("leased", 1)
+    for _ in range(3):  # 1.5 s in all: past the lease, but renewed every 0.5 s
+        time.sleep(0.5)
+        client.renew_pages("leased", pages)
+    assert client.describe_pool("leased").pages_used == 4
+    deadline = time.monotonic() + 10
+    while client.describe_pool("leased").pages_used != 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert client.describe_pool("leased").pages_used == 1  # the plain page stays
+    with pytest.raises(kvferry.Error) as expired:
+        client.renew_pages("leased", pages)
+    assert expired.value.code == grpc.StatusCode.FAILED_PRECONDITION, expired.value
+    client.free_pages("leased", plain)
+    with pytest.raises(kvferry.Error) as negative:
+        client.allocate_pages("leased", 1, lease_seconds=-1)
+    assert negative.value.code == grpc.StatusCode.INVALID_ARGUMENT, negative.value

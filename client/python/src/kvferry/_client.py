@@ -260,20 +260,32 @@ class Client:
         with translated():
             self.stub.DeletePool(pb.DeletePoolRequest(name=name), timeout=self._deadline(timeout))
 
-    def allocate_pages(self, pool: str, count: int, *, timeout=None) -> Pages:
+    def allocate_pages(self, pool: str, count: int, *, lease_seconds: int = 0,
+                       timeout=None) -> Pages:
         """Allocates `count` pages (all or none) and returns their handles.
 
-        Two calls: DescribePool (for the page size the handles carry), then AllocatePages,
-        under one deadline."""
+        lease_seconds > 0 leases them: each write or read naming a page, and each
+        renew_pages, renews the lease for as long again; pages whose lease runs out are
+        freed by the daemon (zeroed, their handles stale), so a client that dies leaks
+        nothing. Two calls: DescribePool (for the page size the handles carry), then
+        AllocatePages, under one deadline."""
         deadline = _Deadline(self._deadline(timeout))
         with translated():
             page_size = self.stub.DescribePool(pb.DescribePoolRequest(name=pool),
                                                timeout=deadline.left()).page_size
             response = self.stub.AllocatePages(
-                pb.AllocatePagesRequest(pool=pool, count=_uint(count, "count")),
+                pb.AllocatePagesRequest(pool=pool, count=_uint(count, "count"),
+                                        lease_seconds=_uint(lease_seconds, "lease_seconds")),
                 timeout=deadline.left())
         return Pages(page_size, [h.page_id for h in response.pages],
                      [h.generation for h in response.pages])
+
+    def renew_pages(self, pool: str, pages: Pages, *, timeout=None) -> None:
+        """Renews the leases of leased pages; every handle is checked first (a stale one
+        is kvferry.Error FAILED_PRECONDITION and none is renewed)."""
+        with translated():
+            self.stub.RenewPages(pb.RenewPagesRequest(pool=pool, pages=_handles(pages)),
+                                 timeout=self._deadline(timeout))
 
     def free_pages(self, pool: str, pages: Pages, *, timeout=None) -> None:
         """Frees pages (all or none); their handles go stale."""
