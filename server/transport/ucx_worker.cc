@@ -192,6 +192,20 @@ struct UcxWorker::State {
     return result.get();
   }
 
+  // Progress thread: frees the endpoint closes UCX finished, forgets receive groups with
+  // nothing in flight.
+  void Reap() {
+    std::erase_if(closing, [](const Closing& c) {
+      if (ucp_request_check_status(c.request) == UCS_INPROGRESS) return false;
+      ucp_request_free(c.request);
+      return true;
+    });
+    std::erase_if(receives, [](const std::shared_ptr<Group>& g) {
+      std::lock_guard lock(g->mu);
+      return g->inflight == 0;
+    });
+  }
+
   // Progress thread: closes the endpoint (every request on it completes, with an error if
   // unfinished) and forgets it.
   void Close(const std::shared_ptr<Endpoint>& e) {
@@ -307,15 +321,7 @@ void UcxWorker::Loop() {
     for (auto& task : tasks) task();
     while (ucp_worker_progress(st.worker) != 0) {
     }
-    std::erase_if(st.closing, [](const State::Closing& c) {
-      if (ucp_request_check_status(c.request) == UCS_INPROGRESS) return false;
-      ucp_request_free(c.request);
-      return true;
-    });
-    std::erase_if(st.receives, [](const std::shared_ptr<Group>& g) {
-      std::lock_guard lock(g->mu);
-      return g->inflight == 0;
-    });
+    st.Reap();
     if (stop) {
       // Cancel what is still posted, close every endpoint, and progress until UCX is done.
       for (const auto& g : st.receives) CancelReceives(st.worker, *g);
@@ -325,15 +331,7 @@ void UcxWorker::Loop() {
       const absl::Time give_up = absl::Now() + absl::Seconds(5);
       while ((!st.closing.empty() || !st.receives.empty()) && absl::Now() < give_up) {
         ucp_worker_progress(st.worker);
-        std::erase_if(st.closing, [](const State::Closing& c) {
-          if (ucp_request_check_status(c.request) == UCS_INPROGRESS) return false;
-          ucp_request_free(c.request);
-          return true;
-        });
-        std::erase_if(st.receives, [](const std::shared_ptr<Group>& g) {
-          std::lock_guard lock(g->mu);
-          return g->inflight == 0;
-        });
+        st.Reap();
       }
       return;
     }
