@@ -171,6 +171,13 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
     absl::StatusOr<std::unique_ptr<UcxWorker>> ucx = UcxWorker::Create(options.ucx_options);
     if (ucx.ok()) {
       d->ucx_ = std::move(*ucx);
+    } else if (!options.ucx_options.transports.empty() ||
+               !options.ucx_options.net_devices.empty()) {
+      // Asked for by name: a daemon that cannot do what it was configured for does not start.
+      return absl::Status(ucx.status().code(),
+                          absl::StrCat("UCX with the transports and devices configured "
+                                       "(--ucx_transports, --ucx_net_devices) could not start: ",
+                                       ucx.status().message()));
     } else {
       log::Warn("UCX could not start ({}); Push and Pull are off", ucx.status().ToString());
     }

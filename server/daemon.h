@@ -68,8 +68,9 @@ struct DaemonOptions {
   // wait for a request's next bytes.
   int http_threads = 32;
   double http_read_timeout_seconds = 2;
-  // Pages between daemons (Push/Pull): UCX on unless `ucx` is false; a UCX that cannot
-  // start leaves the daemon serving without it (Push/Pull then say TRANSPORT_UNAVAILABLE).
+  // Pages between daemons (Push/Pull): UCX on unless `ucx` is false. A UCX that cannot
+  // start leaves the daemon serving without it (Push/Pull then say TRANSPORT_UNAVAILABLE),
+  // unless transports or devices were named: then Start fails.
   bool ucx = true;
   UcxOptions ucx_options;
   PeerOptions peer;

@@ -80,6 +80,9 @@ ABSL_FLAG(bool, ucx, true,
           "Move pages to and from other kvferryd daemons over UCX (Push/Pull); false turns it off");
 ABSL_FLAG(std::string, ucx_transports, "",
           "UCX transports (UCX_TLS) for peers: tcp, sm, rc, ... ; empty: UCX's choice or $UCX_TLS");
+ABSL_FLAG(std::string, ucx_net_devices, "",
+          "UCX_NET_DEVICES: network devices peers reach this daemon on (eth0, mlx5_0:1, ...); "
+          "empty: every device UCX finds");
 ABSL_FLAG(double, peer_timeout_seconds, 5,
           "A Push/Pull fails UNAVAILABLE when the peer moves nothing for this long");
 ABSL_FLAG(std::string, peer_token_file, "",
@@ -166,6 +169,7 @@ absl::StatusOr<DaemonOptions> OptionsFromFlags(const config::ConfigFile* file) {
   options.malloc_trim_seconds = absl::GetFlag(FLAGS_malloc_trim_seconds);
   options.ucx = absl::GetFlag(FLAGS_ucx);
   options.ucx_options.transports = absl::GetFlag(FLAGS_ucx_transports);
+  options.ucx_options.net_devices = absl::GetFlag(FLAGS_ucx_net_devices);
   options.peer.timeout_seconds = absl::GetFlag(FLAGS_peer_timeout_seconds);
   options.peer.token_file = absl::GetFlag(FLAGS_peer_token_file);
   options.peer.tls_ca_file = absl::GetFlag(FLAGS_peer_tls_ca);

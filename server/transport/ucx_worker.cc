@@ -249,6 +249,15 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxOptions& o
                                 "': ", ucs_status_string(s)));
     }
   }
+  if (!options.net_devices.empty()) {
+    if (ucs_status_t s = ucp_config_modify(config, "NET_DEVICES", options.net_devices.c_str());
+        s != UCS_OK) {
+      ucp_config_release(config);
+      return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                   absl::StrCat("UCX network devices '", options.net_devices,
+                                "': ", ucs_status_string(s)));
+    }
+  }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
   params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;

@@ -34,6 +34,9 @@ struct UcxOptions {
   // UCX_TLS for this daemon's context ("tcp", "sm", "rc,sm,self", ...); empty: UCX's own
   // choice (or the UCX_TLS environment variable).
   std::string transports;
+  // UCX_NET_DEVICES: the network devices peers reach this daemon on ("eth0", "mlx5_0:1",
+  // a comma-separated list); empty: every device UCX finds.
+  std::string net_devices;
 };
 
 class UcxWorker {

@@ -358,6 +358,21 @@ TEST(TransferOffTest, TransportsThatCannotReportADeadPeerAreRefusedWithAReason) 
   EXPECT_EQ(ReadAll(b, "dst", dst), std::string(PageBytes(Layout::kV41, 16), '\0'));
 }
 
+TEST(TransferDevicesTest, PeersOnTheLoopbackDeviceOnlyMoveTheirPages) {
+  const std::vector<std::string> flags = {"--ucx_transports=tcp", "--ucx_net_devices=lo"};
+  Daemon a(flags), b(flags);
+  const testing::GoldenCase c = testing::GoldenCases().front();
+  const auto src = GoldenPool(a, "gold", c, Layout::kV41);
+  testing::CreatePool(b, "dst", Layout::kV41, c.page_size, c.num_pages);
+  const auto dst = AllPages(b, "dst", static_cast<int>(c.num_pages));
+  Outcome r = Push(a, "gold", src, Address(b), "dst", dst);
+  ASSERT_TRUE(r.status.ok()) << r.status.error_message();
+  EXPECT_EQ(ReadAll(b, "dst", dst), AsBytes(testing::ReadBytes(c.file("pool.v41.bin"))));
+  // A device that is not there: the daemon asked for it does not start.
+  EXPECT_THROW(Daemon({"--ucx_transports=tcp", "--ucx_net_devices=nosuchdevice0"}),
+               std::runtime_error);
+}
+
 std::string Slurp(const std::string& path) {
   std::ifstream in(path);
   return std::string(std::istreambuf_iterator<char>(in), {});
