@@ -360,10 +360,12 @@ absl::Status TransferEngine::SendAll(std::unique_ptr<Reader> owned, const v1::Pe
   KVF_ASSIGN_OR_RETURN(std::unique_ptr<UcxWorker::Sender> sender,
                        ucx_->Connect(ready.worker_address()));
   Reader& reader = *owned;
-  // Batches in memory at once: while batch i is gathered, batches i-1 and i-2 may still be
-  // on the wire. The call that returns batch i launches batch i+1 into the slot of batch
-  // i+1-depth, so that one must have been sent by then.
-  constexpr int kDepth = 4;
+  // Batches in memory at once. The call that returns batch i launches batch i+1 into the
+  // slot of batch i+1-depth, so that one must have been sent by then: at depth 2 a batch is
+  // sent while the next is gathered (on a GPU, asynchronously); deeper keeps more messages
+  // on the wire, which measured no faster on the H200 machine and slower on two cores
+  // (bench/RESULTS.md).
+  constexpr int kDepth = 2;
   reader.set_depth(kDepth);
   const uint64_t total = offer.units() * offer.page_bytes();
   uint64_t sent = 0;
