@@ -112,3 +112,36 @@ def test_torch_cpu_tensors_in_and_out(client):
     pool_bytes = torch.empty(len(case.bytes("pool.v4.bin")), dtype=torch.uint8)
     client.read_pages("t", pages, out=pool_bytes)
     assert pool_bytes.numpy().tobytes() == case.bytes("pool.v4.bin")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
+def test_push_and_pull_between_daemons_are_byte_exact(daemon, client, layout):
+    # Another daemon beside the fixture's; pages move between the two over UCX.
+    from conftest import Daemon
+    other = Daemon()
+    try:
+        case = CASES[0]
+        src = "src"
+        client.create_pool(src, LAYOUTS[layout], case.page_size, case.num_pages, device=device())
+        pages = sorted_pages(client.allocate_pages(src, case.num_pages))
+        client.write_tokens(src, 0, case.rows, case.locs, pages)
+        with kvferry.Client(other.address) as peer:
+            peer.create_pool("dst", LAYOUTS[layout], case.page_size, case.num_pages,
+                             device=device())
+            peer.create_pool("v4", kvferry.Layout.V4, case.page_size, case.num_pages,
+                             device=device())
+            dst = sorted_pages(peer.allocate_pages("dst", case.num_pages))
+            v4 = sorted_pages(peer.allocate_pages("v4", case.num_pages))
+            done = client.push(src, pages, other.address, "dst", dst)
+            assert done.pages == case.num_pages
+            assert peer.read_pages("dst", dst).tobytes() == case.bytes(f"pool.{layout}.bin")
+            # Pulled by the other daemon, transcoded to V4 on the way.
+            peer.pull(daemon.address, src, pages, "v4", v4, transcode_to=kvferry.Layout.V4)
+            assert peer.read_pages("v4", v4).tobytes() == case.bytes(f"transcode.{layout}_to_v4.bin")
+            # Another layout without transcoding is refused with its reason.
+            if layout != "v4":
+                with pytest.raises(kvferry.Error) as refused:
+                    client.push(src, pages, other.address, "v4", v4)
+                assert refused.value.reason == "LAYOUT_MISMATCH", refused.value
+    finally:
+        other.stop()

@@ -18,6 +18,8 @@ from kvferry.v1 import cache_pb2 as cache_pb
 from kvferry.v1 import cache_pb2_grpc as cache_grpc
 from kvferry.v1 import kvferry_pb2 as pb
 from kvferry.v1 import kvferry_pb2_grpc as pb_grpc
+from kvferry.v1 import transfer_pb2 as transfer_pb
+from kvferry.v1 import transfer_pb2_grpc as transfer_grpc
 
 try:  # Debian: python3-xxhash
     import xxhash as _xxhash
@@ -202,6 +204,7 @@ class Client:
         # The generated stubs, for anything the methods below do not wrap.
         self.stub = pb_grpc.KvFerryStub(self._channel)
         self.cache_stub = cache_grpc.KvCacheStub(self._channel)
+        self.transfer_stub = transfer_grpc.TransferStub(self._channel)
         # The bulk RPCs move raw bytes, (de)serialized by _wire.
         self._write_tokens = self._channel.stream_unary(
             _method("WriteTokens"), response_deserializer=pb.WriteResponse.FromString)
@@ -286,6 +289,32 @@ class Client:
         with translated():
             self.stub.RenewPages(pb.RenewPagesRequest(pool=pool, pages=_handles(pages)),
                                  timeout=self._deadline(timeout))
+
+    def push(self, pool: str, pages: Pages, to_address: str, to_pool: str, to_pages: Pages, *,
+             layers=None, transcode_to: Layout | int = 0,
+             timeout=None) -> transfer_pb.TransferPagesResponse:
+        """Pages of `pool` on this daemon -> `to_pages` of `to_pool` on the daemon at
+        `to_address` (host:port), over UCX between the two daemons; each listed layer (all
+        when None) into the same layer, optionally transcoded. All or nothing at the
+        destination; returns once the pages are committed and readable there."""
+        request = transfer_pb.PushRequest(
+            pool=pool, pages=_handles(pages), layers=[_uint(l, "layer") for l in layers or []],
+            transcode_to=int(transcode_to), to_address=to_address, to_pool=to_pool,
+            to_pages=_handles(to_pages))
+        with translated():
+            return self.transfer_stub.Push(request, timeout=self._deadline(timeout))
+
+    def pull(self, from_address: str, from_pool: str, from_pages: Pages, pool: str,
+             pages: Pages, *, layers=None, transcode_to: Layout | int = 0,
+             timeout=None) -> transfer_pb.TransferPagesResponse:
+        """Pages `from_pages` of `from_pool` on the daemon at `from_address` -> `pages` of
+        `pool` on this daemon; the same rules as push."""
+        request = transfer_pb.PullRequest(
+            from_address=from_address, from_pool=from_pool, from_pages=_handles(from_pages),
+            layers=[_uint(l, "layer") for l in layers or []],
+            transcode_to=int(transcode_to), pool=pool, pages=_handles(pages))
+        with translated():
+            return self.transfer_stub.Pull(request, timeout=self._deadline(timeout))
 
     def free_pages(self, pool: str, pages: Pages, *, timeout=None) -> None:
         """Frees pages (all or none); their handles go stale."""
