@@ -701,9 +701,11 @@ std::pair<int64_t, int64_t> RssAroundCancelledReads(Daemon& d) {
     for (auto& r : readers) r->Finish();
   }
   // Every handler has ended (its reader freed); then the trim has had its period.
+  // (On two busy cores, with glibc held to two arenas, the last handlers have taken over
+  // two minutes to end.)
   EXPECT_TRUE(Eventually([&] {
     return Sample(Metrics(d), "kvferry_rpc_requests_total{method=\"ReadPages\",code=\"CANCELLED\"}") >= 1000;
-  }, 120));
+  }, 240));
   std::this_thread::sleep_for(std::chrono::seconds(3));
   return {peak, testing::ProcStatus(d.pid(), "VmRSS")};
 }
@@ -717,6 +719,9 @@ TEST(MemoryTest, AfterAThousandCancelledReadsThePeriodicTrimReturnsTheMemory) {
   auto kept = [](const char* what, std::vector<std::string> flags, const char* tunables) {
     if (tunables != nullptr) setenv("GLIBC_TUNABLES", tunables, 1);
     flags.push_back("--max_streams=1000");
+    // glibc's heap alone: UCX, when on, interposes on the memory calls (its memory-event
+    // hooks), which this test is not about.
+    flags.push_back("--ucx=false");
     Daemon d(flags);
     unsetenv("GLIBC_TUNABLES");
     const int64_t before = testing::ProcStatus(d.pid(), "VmRSS");
