@@ -307,38 +307,34 @@ absl::StatusOr<std::unique_ptr<TransferEngine::Receiving>> TransferEngine::Recei
     const std::shared_ptr<Pool>& pool, std::span<const PageHandle> pages,
     const v1::PeerOffer& offer, v1::PeerReady* ready) {
   KVF_ASSIGN_OR_RETURN(const Layout layout, FromProto(offer.layout()));
-  const int64_t page_bytes = pool->geometry().page_bytes();
+  const std::vector<int64_t> layers(offer.layers().begin(), offer.layers().end());
+  const uint64_t m = offer.message_bytes();
+  if (offer.units() != pages.size() * layers.size() || offer.page_bytes() == 0 || m == 0 ||
+      m % offer.page_bytes() != 0 || m > static_cast<uint64_t>(kMaxMessageBytes)) {
+    return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                 absl::StrCat("the offer does not fit: ", offer.units(), " units for ",
+                              pages.size(), " pages x ", layers.size(), " layers, messages of ",
+                              m, " bytes, pages of ", offer.page_bytes()));
+  }
   // Staging in pieces of one message each, so that every message lands in one contiguous
   // buffer (UCX moves contiguous receives zero-copy; an I/O vector falls back to copies).
-  const int64_t message_bytes =
-      offer.message_bytes() > 0 && offer.message_bytes() <= static_cast<uint64_t>(kMaxMessageBytes)
-          ? static_cast<int64_t>(offer.message_bytes())
-          : StagingArena::kChunkBytes;
   KVF_ASSIGN_OR_RETURN(std::unique_ptr<StagedWrite> write,
-                       StagedWrite::ForPages(pool, layout, write_limits_, message_bytes));
+                       StagedWrite::ForPages(pool, layout, write_limits_, static_cast<int64_t>(m)));
+  const int64_t page_bytes = pool->geometry().page_bytes();
   if (offer.page_bytes() != static_cast<uint64_t>(page_bytes)) {
     return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kLayoutMismatch,
                  absl::StrCat("the source's pages are ", offer.page_bytes(), " bytes, pool '",
                               pool->config().name, "' has pages of ", page_bytes,
                               " bytes (another page size)"));
   }
-  const std::vector<int64_t> layers(offer.layers().begin(), offer.layers().end());
-  if (offer.units() != pages.size() * layers.size() || offer.message_bytes() == 0 ||
-      offer.message_bytes() % page_bytes != 0 ||
-      offer.message_bytes() > static_cast<uint64_t>(kMaxMessageBytes)) {
-    return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
-                 absl::StrCat("the offer does not fit: ", offer.units(), " units for ",
-                              pages.size(), " pages x ", layers.size(), " layers, messages of ",
-                              offer.message_bytes(), " bytes"));
-  }
   KVF_RETURN_IF_ERROR(write->ReservePages(pages, layers));
   auto r = std::make_unique<Receiving>();
   r->write = std::move(write);
   r->bytes = static_cast<int64_t>(offer.units()) * page_bytes;
-  const int64_t m = static_cast<int64_t>(offer.message_bytes());
+  const int64_t message_bytes = static_cast<int64_t>(m);
   std::vector<std::vector<std::span<uint8_t>>> messages;
-  for (int64_t at = 0; at < r->bytes; at += m) {
-    messages.push_back(r->write->StagingPieces(at, std::min(m, r->bytes - at)));
+  for (int64_t at = 0; at < r->bytes; at += message_bytes) {
+    messages.push_back(r->write->StagingPieces(at, std::min(message_bytes, r->bytes - at)));
   }
   if (messages.size() >= (size_t{1} << kUcxTagIndexBits)) {
     return Error(absl::StatusCode::kResourceExhausted, ErrorReason::kWriteTooLarge,
