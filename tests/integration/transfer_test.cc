@@ -330,6 +330,70 @@ INSTANTIATE_TEST_SUITE_P(Transports, TransferTest, ::testing::Values("tcp", "cma
 
 // ---- without UCX, and through the command line -----------------------------------------------
 
+// A caller of the daemons' own Peer service that is not a daemon: malformed offers are
+// refused with a reason, an offer it never sends bytes for ends within the idle time with
+// its staging released, and the daemon serves on with the pages unchanged.
+TEST(PeerHostileTest, MalformedOrAbandonedOffersAreRefusedAndLeaveNothingBehind) {
+  Daemon d({"--peer_timeout_seconds=1"});
+  testing::CreatePool(d, "dst", Layout::kV41, 16, 8);
+  const auto dst = AllPages(d, "dst", 2);
+  const uint64_t page_bytes = PageBytes(Layout::kV41, 16);
+  auto stub = v1::Peer::NewStub(d.channel());
+  auto exchange = [&](std::vector<v1::PeerMessage> messages, std::string* reason,
+                      bool* got_ready = nullptr) {
+    grpc::ClientContext ctx;
+    auto stream = stub->Exchange(&ctx);
+    for (const auto& m : messages) stream->Write(m);
+    stream->WritesDone();
+    v1::PeerMessage reply;
+    while (stream->Read(&reply)) {
+      if (got_ready != nullptr && reply.has_ready()) *got_ready = true;
+    }
+    const grpc::Status s = stream->Finish();
+    *reason = testing::ReasonOf(ctx);
+    return s;
+  };
+  auto offer = [&](uint64_t units, uint64_t page, uint64_t message) {
+    v1::PeerMessage m;
+    v1::PeerOffer& o = *m.mutable_offer();
+    o.set_pool("dst");
+    for (const auto& p : dst) *o.add_pages() = p;
+    o.add_layers(0);
+    o.set_layout(v1::LAYOUT_V41);
+    o.set_page_bytes(page);
+    o.set_message_bytes(message);
+    o.set_units(units);
+    return m;
+  };
+  std::string reason;
+  // Nothing at all, a reply where an opening belongs, and offers that do not add up.
+  EXPECT_EQ(exchange({}, &reason).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  v1::PeerMessage done;
+  done.mutable_done()->set_pages(1);
+  EXPECT_EQ(exchange({done}, &reason).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  for (const v1::PeerMessage& bad :
+       {offer(1u << 30, page_bytes, page_bytes), offer(2, 0, page_bytes), offer(2, page_bytes, 0),
+        offer(2, page_bytes, page_bytes + 1), offer(2, page_bytes, uint64_t{1} << 40)}) {
+    EXPECT_EQ(exchange({bad}, &reason).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_EQ(reason, "INVALID_REQUEST");
+  }
+  // The right page count but another page size.
+  EXPECT_EQ(exchange({offer(2, page_bytes * 2, page_bytes * 2)}, &reason).error_code(),
+            grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(reason, "LAYOUT_MISMATCH");
+  // A well-formed offer whose bytes never come: the daemon posts its receives, says ready,
+  // and gives up after its idle time; nothing is committed and the staging comes back.
+  bool ready = false;
+  const auto start = std::chrono::steady_clock::now();
+  const grpc::Status abandoned = exchange({offer(2, page_bytes, page_bytes)}, &reason, &ready);
+  EXPECT_TRUE(ready);
+  EXPECT_EQ(abandoned.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(reason, "PEER_UNAVAILABLE");
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 10);
+  EXPECT_EQ(StagedBytesSettled(d), 0);
+  EXPECT_EQ(ReadAll(d, "dst", dst), std::string(2 * page_bytes, '\0'));
+}
+
 TEST(TransferOffTest, ADaemonWithoutUcxSaysSo) {
   Daemon a({"--ucx=false"}), b;
   testing::CreatePool(a, "src", Layout::kV41, 16, 4);
