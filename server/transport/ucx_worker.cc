@@ -32,7 +32,6 @@ struct Group {
   std::condition_variable cv;
   int64_t inflight = 0;   // requests posted and not complete
   int64_t completed = 0;  // requests completed (progress, for the idle timer)
-  int64_t bytes = 0;      // bytes of the completed requests
   absl::Status error;     // the first failure
   bool abandoned = false; // nobody waits: cancelled receives are not errors any more
   std::vector<void*> requests;            // receives: by message index, null once complete
@@ -104,8 +103,6 @@ void OnReceive(void* request, ucs_status_t status, const ucp_tag_recv_info_t* in
                                 " bytes, expected ", g.expected[ctx->index])));
     } else if (status != UCS_OK && !(status == UCS_ERR_CANCELED && g.abandoned)) {
       g.Fail(UcxError(absl::StrCat("receive of message ", ctx->index), status));
-    } else if (status == UCS_OK) {
-      g.bytes += static_cast<int64_t>(info->length);
     }
     g.requests[ctx->index] = nullptr;
     --g.inflight;
@@ -386,10 +383,6 @@ class ReceivesImpl final : public UcxWorker::Receives {
   absl::Status Wait(absl::Duration idle, const UcxWorker::CancelCheck& cancelled) override {
     return group_->Wait(idle, cancelled, "receiving pages from the peer");
   }
-  int64_t received_bytes() const override {
-    std::lock_guard lock(group_->mu);
-    return group_->bytes;
-  }
 
  private:
   std::shared_ptr<UcxWorker::State> state_;
@@ -461,12 +454,6 @@ class SenderImpl final : public UcxWorker::Sender {
   SenderImpl(std::shared_ptr<UcxWorker::State> state, std::shared_ptr<Endpoint> endpoint)
       : state_(std::move(state)), endpoint_(std::move(endpoint)),
         group_(std::make_shared<Group>()) {}
-
-  absl::Status Send(uint64_t tag, std::span<const uint8_t> data, absl::Duration idle,
-                    const UcxWorker::CancelCheck& cancelled) override {
-    KVF_RETURN_IF_ERROR(Post(tag, data));
-    return WaitThrough(posted_, idle, cancelled);
-  }
 
   absl::Status Post(uint64_t tag, std::span<const uint8_t> data) override {
     {

@@ -64,8 +64,6 @@ class UcxWorker {
     // Blocks until every message arrived (OK), a receive failed, `idle` passed without a
     // message completing (UNAVAILABLE, PEER_UNAVAILABLE), or `cancelled` said so.
     virtual absl::Status Wait(absl::Duration idle, const CancelCheck& cancelled) = 0;
-    // Bytes received so far.
-    virtual int64_t received_bytes() const = 0;
   };
   // Posts receive i of `messages` (the pieces message i fills, in order) under tag
   // tag_base + i; `keep_alive` owns the memory and is released once no receive can write.
@@ -77,15 +75,13 @@ class UcxWorker {
   class Sender {
    public:
     virtual ~Sender() = default;
-    // Sends `data` as the message `tag` and blocks until UCX is done with `data` (it may be
-    // reused). UNAVAILABLE (PEER_UNAVAILABLE) when the peer failed or nothing completed for
-    // `idle`: the connection is then closed, so no later byte reaches the peer.
-    virtual absl::Status Send(uint64_t tag, std::span<const uint8_t> data, absl::Duration idle,
-                              const CancelCheck& cancelled) = 0;
     // Posts `data` as the message `tag`: the n-th Post of this sender is message n of
     // WaitThrough. `data` must stay valid until WaitThrough says its message completed.
+    // A failure (here or in WaitThrough) is UNAVAILABLE (PEER_UNAVAILABLE) when the peer
+    // failed or nothing completed for the idle time: the connection is then closed, so no
+    // later byte reaches the peer, and UCX has released every buffer posted.
     virtual absl::Status Post(uint64_t tag, std::span<const uint8_t> data) = 0;
-    // Blocks until the first `messages` posted are complete (failure rules as Send).
+    // Blocks until the first `messages` posted are complete (failure rules as Post).
     virtual absl::Status WaitThrough(int64_t messages, absl::Duration idle,
                                      const CancelCheck& cancelled) = 0;
   };
