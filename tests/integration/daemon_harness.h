@@ -31,6 +31,14 @@
 #define KVFERRY_TEST_ASAN 1
 #endif
 #endif
+// Built with ThreadSanitizer: its own allocator and shadow memory, and every thread slowed.
+#if defined(__SANITIZE_THREAD__)
+#define KVFERRY_TEST_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define KVFERRY_TEST_TSAN 1
+#endif
+#endif
 
 namespace kvferry::testing {
 

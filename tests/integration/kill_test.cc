@@ -25,8 +25,8 @@ int Iterations() {
   if (const char* n = std::getenv("KVFERRY_KILL_ITERATIONS"); n != nullptr && *n != '\0') {
     return std::atoi(n);
   }
-#if defined(KVFERRY_TEST_ASAN)
-  return 200;  // each client start is slower under the sanitizer; the long run is the plain one
+#if defined(KVFERRY_TEST_ASAN) || defined(KVFERRY_TEST_TSAN)
+  return 200;  // each client start is slower under a sanitizer; the long run is the plain one
 #else
   return 1000;
 #endif

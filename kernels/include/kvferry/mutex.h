@@ -76,17 +76,26 @@ class ABSL_LOCKABLE Mutex {
   void AssertHeld() const ABSL_ASSERT_EXCLUSIVE_LOCK() {}
   void AssertReaderHeld() const ABSL_ASSERT_SHARED_LOCK() {}
 
-  // Held exclusively: returns once `condition` holds, the lock held again.
+  // Held exclusively: returns once `condition` holds, the lock held again. Waiting
+  // releases the lock, which is an unlock like any other: what this thread changed while
+  // holding it (a job queued, then awaited) must wake the others' conditions first, as
+  // absl::Mutex re-evaluates them there — else both sides sleep.
   void Await(const Condition& condition) ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) {
-    while (!condition.Eval()) changed_.wait(mu_);
+    if (condition.Eval()) return;
+    changed_.notify_all();
+    do {
+      changed_.wait(mu_);
+    } while (!condition.Eval());
   }
   // As Await, giving up after `timeout`; returns whether `condition` holds.
   bool AwaitWithTimeout(const Condition& condition, absl::Duration timeout)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(this) {
+    if (condition.Eval()) return true;
+    changed_.notify_all();
     const auto deadline = std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(timeout);
-    while (!condition.Eval()) {
+    do {
       if (changed_.wait_until(mu_, deadline) == std::cv_status::timeout) return condition.Eval();
-    }
+    } while (!condition.Eval());
     return true;
   }
 

@@ -1,5 +1,6 @@
 // The cpu fast path of the KV ops: the reference's validation (the finite and location
 // checks made fast), then the row kernels or page copies split across the worker pool.
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <memory>
@@ -168,6 +169,15 @@ absl::Status ZeroPages(const PageCopyGeometry& geometry, std::span<const int64_t
   KVF_RETURN_IF_ERROR(ValidatePageCopyGeometry(geometry));
   KVF_RETURN_IF_ERROR(ValidateSpanBytes(pool.size(), geometry.pool_bytes(), "pool"));
   KVF_RETURN_IF_ERROR(ValidateLocations(pages, geometry.num_pages, /*unique=*/false, "page"));
+  // A page listed twice would be zeroed by two threads at once (a data race, however
+  // benign its bytes): split the work over each page once.
+  std::vector<int64_t> distinct;
+  if (workers != nullptr && pages.size() > 1) {
+    distinct.assign(pages.begin(), pages.end());
+    std::sort(distinct.begin(), distinct.end());
+    distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+    if (distinct.size() < pages.size()) pages = distinct;
+  }
   ForEachPageLayer(geometry, pages, workers, [&](int64_t at, int64_t) {
     std::memset(pool.data() + at, 0, geometry.page_bytes);
   });
