@@ -164,6 +164,11 @@ int Main(int argc, char** argv) {
           "quantize-store", name, order, bytes,
           [&](cpu::ThreadPool* w) { return cpu::QuantizeStore(g, rows, *locs, pool, w); },
           [&] { return reference::QuantizeStore(g, rows, *locs, pool); });
+      // The daemon's commit: rows found finite as they were staged, stored in one pass.
+      measure(
+          "quantize-store, rows checked", name, order, bytes,
+          [&](cpu::ThreadPool* w) { return cpu::QuantizeStoreCheckedRows(g, rows, *locs, pool, w); },
+          [&] { return reference::QuantizeStore(g, rows, *locs, pool); });
     }
     for (const std::vector<int64_t>* locs : {&sequential, &scattered}) {
       const char* order = locs == &sequential ? "sequential" : "scattered";

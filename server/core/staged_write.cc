@@ -265,6 +265,7 @@ absl::StatusOr<int64_t> StagedWrite::CommitRows() {
   store.locs = reinterpret_cast<const int64_t*>(staging.get() + locs_at);
   store.num_tokens = n;
   store.pool = pool_->base() + static_cast<int64_t>(layer_) * g.pool_bytes();
+  store.rows_checked_finite = true;  // AddRows refused any row holding NaN or Inf
   const Op op = store;
   const absl::Status stored = pool_->RunTimed("quantize_store", std::span<const Op>(&op, 1));
   pool_->Unpin(pin, stored.ok() ? layer_ : -1, stored.ok() ? std::span<const int64_t>(tokens_)

@@ -56,6 +56,10 @@ TEST_P(CpuGoldenTest, QuantizeStoreReproducesPool) {
     std::vector<uint8_t> pool(g.pool_bytes(), 0);
     ASSERT_TRUE(cpu::QuantizeStore(g, rows, locs, pool, &workers_).ok());
     EXPECT_EQ(FirstDifference(pool, golden), -1);
+    // The single-pass store of rows already found finite (the daemon's commit).
+    std::vector<uint8_t> checked(g.pool_bytes(), 0);
+    ASSERT_TRUE(cpu::QuantizeStoreCheckedRows(g, rows, locs, checked, &workers_).ok());
+    EXPECT_EQ(FirstDifference(checked, golden), -1);
   });
 }
 
@@ -135,6 +139,10 @@ TEST_P(CpuVsReferenceTest, QuantizeStoreMatchesReference) {
           std::vector<uint8_t> pool = before;
           ASSERT_TRUE(cpu::QuantizeStore(g, set.rows, set.locs, pool, workers).ok());
           ASSERT_EQ(FirstDifference(pool, expected), -1) << (workers ? "threads" : "inline");
+          pool = before;
+          ASSERT_TRUE(cpu::QuantizeStoreCheckedRows(g, set.rows, set.locs, pool, workers).ok());
+          ASSERT_EQ(FirstDifference(pool, expected), -1)
+              << "checked rows, " << (workers ? "threads" : "inline");
         }
       });
     }
@@ -346,6 +354,17 @@ TEST_F(CpuInvalidTest, NonFiniteRowsAreRejectedWithTheFirstBadValue) {
   auto rope = testing::RandomRows(2000, 9);
   rope[1500 * 512 + 500] = 0xFFC0;
   ExpectStoreRejected(g, rope, testing::ScatteredLocations(2000, g.num_tokens(), 1));
+}
+
+TEST_F(CpuInvalidTest, ARowPromisedFiniteThatIsNotIsAnInternalError) {
+  const PoolGeometry g{Layout::kV41Fp4, 16, 40};
+  auto rows = testing::RandomRows(300, 12);
+  rows[290 * 512 + 3] = 0x7FC0;
+  std::vector<uint8_t> pool(g.pool_bytes(), 0);
+  const absl::Status s = cpu::QuantizeStoreCheckedRows(
+      g, rows, testing::ScatteredLocations(300, g.num_tokens(), 13), pool);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+  EXPECT_NE(s.message().find("row 290"), std::string::npos) << s;
 }
 
 TEST_F(CpuInvalidTest, BadShapesGeometriesAndLocationsAreRejected) {

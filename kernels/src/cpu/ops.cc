@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/functional/function_ref.h"
+#include "absl/strings/str_cat.h"
 #include "cpu/row_kernels.h"
 #include "kvferry/kernels/cpu_ops.h"
 #include "kvferry/kernels/status_macros.h"
@@ -106,6 +107,39 @@ absl::Status QuantizeStore(const PoolGeometry& geometry, std::span<const uint16_
                          scales.get() + begin * scale_bytes, locs.data() + begin, end - begin,
                          pool.data(), stream);
   });
+  return absl::OkStatus();
+}
+
+absl::Status QuantizeStoreCheckedRows(const PoolGeometry& geometry,
+                                      std::span<const uint16_t> rows,
+                                      std::span<const int64_t> locs, std::span<uint8_t> pool,
+                                      ThreadPool* workers) {
+  KVF_RETURN_IF_ERROR(ValidateGeometry(geometry));
+  KVF_RETURN_IF_ERROR(ValidateSpanBytes(pool.size(), geometry.pool_bytes(), "pool"));
+  KVF_RETURN_IF_ERROR(
+      ValidateRowShape(static_cast<int64_t>(rows.size()), static_cast<int64_t>(locs.size())));
+  KVF_RETURN_IF_ERROR(CheckLocations(locs, geometry.num_tokens(), /*unique=*/true));
+  const int64_t n = static_cast<int64_t>(locs.size());
+  const bool stream = n * GetLayoutInfo(geometry.layout).bytes_per_token() >= kStreamingBytes;
+  std::atomic<bool> finite{true};
+  ForEach(workers, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    // Blocks of 64 rows (64 KiB of bf16): scaled, then coded from the core's cache.
+    constexpr int64_t kBlock = 64;
+    uint8_t scales[kBlock * (kHeadDim / 16)];  // the largest scale row: V41_FP4's 32 bytes
+    for (int64_t at = begin; at < end && finite.load(std::memory_order_relaxed); at += kBlock) {
+      const int64_t count = std::min(kBlock, end - at);
+      if (!internal::ScaleRows(geometry.layout, rows.data() + at * kHeadDim, count, scales)) {
+        finite.store(false, std::memory_order_relaxed);
+        return;
+      }
+      internal::EncodeRows(geometry, rows.data() + at * kHeadDim, scales, locs.data() + at, count,
+                           pool.data(), stream);
+    }
+  });
+  if (!finite.load()) {
+    return absl::InternalError(absl::StrCat("rows promised finite are not: ",
+                                            ValidateFinite(rows).message()));
+  }
   return absl::OkStatus();
 }
 

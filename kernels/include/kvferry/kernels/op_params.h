@@ -24,6 +24,10 @@ struct QuantizeStoreParams {
   // Optional (CUDA only): set to nonzero when any row holds NaN or Inf. The records are
   // stored regardless; the caller undoes the store when the flag is set.
   uint32_t* nonfinite = nullptr;
+  // The caller checked every row finite before (StagedWrite does as the rows arrive): the
+  // cpu backend then scales and codes each block of rows while it is in cache, reading the
+  // rows from memory once instead of twice. Ignored on CUDA.
+  bool rows_checked_finite = false;
 };
 
 struct DequantizeGatherParams {
