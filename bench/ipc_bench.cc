@@ -133,7 +133,7 @@ int Main(int argc, char** argv) {
   cudaMemcpy(cache, rows.data(), tokens * 1024, cudaMemcpyHostToDevice);
   client::KvTensor t{.num_blocks = static_cast<uint64_t>(pages_n), .block_tokens = ps,
                      .block_stride = ps * 1024ull, .token_stride = 1024};
-  client::DescribeDevicePointer(cache, t);
+  if (!client::DescribeDevicePointer(cache, t).ok()) return 1;
   const uint64_t tensor = *(*session)->RegisterKv(t);
   if (!c->CreatePool({"bench", client_layout, ps, static_cast<uint64_t>(pages_n), 1, "cuda:0"}).ok()) return 1;
   std::vector<client::PageHandle> pages;

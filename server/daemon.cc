@@ -152,6 +152,9 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   // An AllocatePages reply holds at most ~26 bytes per handle; keep it well inside a message.
   options.service.max_pages_per_call =
       std::min<int64_t>(options.service.max_pages_per_call, (options.max_message_bytes - 4096) / 32);
+  d->watchdog_ = std::make_unique<StreamWatchdog>(options.service.stream_limits,
+                                                  options.service.on_stream_expired);
+  options.service.watchdog = d->watchdog_.get();
   d->sessions_ = std::make_unique<SessionManager>(d->pools_.get(), d->daemon_metrics_.get());
   SessionManager* sessions = d->sessions_.get();
   d->cache_ = std::make_unique<BlockIndex>(options.cache);
@@ -164,7 +167,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   d->daemon_metrics_->SetCacheSource([cache] { return cache->Counts(); });
   d->service_ = std::make_unique<KvFerryService>(d->pools_.get(), sessions, options.service,
                                                  d->auth_.get());
-  d->session_service_ = std::make_unique<SessionService>(sessions, d->auth_.get());
+  d->session_service_ = std::make_unique<SessionService>(sessions, cache, d->auth_.get(),
+                                                         d->watchdog_.get());
   d->cache_service_ =
       std::make_unique<KvCacheService>(d->pools_.get(), cache, options.service, d->auth_.get());
   if (options.ucx) {
@@ -189,7 +193,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
                                     r.status.ok() ? "" : ReasonName(ReasonOf(r.status)));
       });
   d->transfer_service_ = std::make_unique<TransferService>(d->transfers_.get());
-  d->peer_service_ = std::make_unique<PeerService>(d->transfers_.get());
+  d->peer_service_ = std::make_unique<PeerService>(d->transfers_.get(), d->watchdog_.get());
 
   // The health service answers without a token (probes have none). Reflection cannot check
   // tokens, so it is only offered when there are none.
@@ -210,6 +214,7 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, 5000);
   builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 2);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS, options.max_streams_per_connection);
   // Each open call holds a thread of the synchronous server: bound them, so that a flood
   // of calls is refused (RESOURCE_EXHAUSTED) instead of growing the process without end.
   const int64_t streams = options.limits.daemon[Resource::kStreams];
@@ -268,8 +273,10 @@ void Daemon::Shutdown(double grace_seconds) {
   stopped_ = true;
   if (server_) {
     server_->GetHealthCheckService()->SetServingStatus(false);
-    // Event subscriptions would otherwise run until the grace period cancels them.
+    // Event subscriptions and sessions would otherwise run until the grace period cancels
+    // them (a subscriber that does not read blocks its handler in Write).
     if (cache_) cache_->events().Close();
+    if (watchdog_) watchdog_->CancelLongLived();
     server_->Shutdown(std::chrono::system_clock::now() +
                       std::chrono::milliseconds(static_cast<int64_t>(grace_seconds * 1000)));
     server_->Wait();

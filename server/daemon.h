@@ -60,6 +60,10 @@ struct DaemonOptions {
   // Threads of gRPC's synchronous server (each open call holds one); beyond, gRPC answers
   // RESOURCE_EXHAUSTED itself. 0: the streams budget plus 256 for unary calls.
   int max_threads = 0;
+  // Streams one client connection may have open at once (HTTP/2 SETTINGS
+  // MAX_CONCURRENT_STREAMS): the bound per client where there are no tokens to tell
+  // clients apart. More calls on the connection wait in the client until one ends.
+  int max_streams_per_connection = 64;
   // HTTP/2 keepalive: a ping after this much silence on a connection, which fails when not
   // answered within keepalive_timeout_seconds (the connection and its calls end).
   double keepalive_seconds = 10;
@@ -112,6 +116,7 @@ class Daemon {
   std::unique_ptr<Authenticator> auth_;
   TokenAuthenticator* tokens_ = nullptr;  // auth_, when it is the token file's
   std::unique_ptr<PoolManager> pools_;
+  std::unique_ptr<StreamWatchdog> watchdog_;  // every service's streams
   std::unique_ptr<SessionManager> sessions_;
   std::unique_ptr<BlockIndex> cache_;
   std::unique_ptr<KvCacheService> cache_service_;

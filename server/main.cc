@@ -62,6 +62,10 @@ ABSL_FLAG(int64_t, cpu_memory_limit_bytes, 0,
 ABSL_FLAG(int32_t, max_threads, 0,
           "Threads of the gRPC server (each open call holds one; beyond, calls are refused "
           "with RESOURCE_EXHAUSTED); 0: --max_streams + 256");
+ABSL_FLAG(int32_t, max_streams_per_connection, 64,
+          "Streams one client connection may have open at once (HTTP/2 MAX_CONCURRENT_STREAMS); "
+          "more calls on it wait in the client until one ends. The per-client bound where no "
+          "tokens tell clients apart");
 ABSL_FLAG(double, stream_idle_timeout_seconds, 60,
           "A stream that neither sends nor takes a message for this long is cancelled "
           "(reason STREAM_IDLE_TIMEOUT); 0: never");
@@ -159,6 +163,7 @@ absl::StatusOr<DaemonOptions> OptionsFromFlags(const config::ConfigFile* file) {
   options.cpu_memory_limit_bytes =
       static_cast<uint64_t>(std::max<int64_t>(0, absl::GetFlag(FLAGS_cpu_memory_limit_bytes)));
   options.max_threads = absl::GetFlag(FLAGS_max_threads);
+  options.max_streams_per_connection = absl::GetFlag(FLAGS_max_streams_per_connection);
   options.service.stream_limits.idle_timeout =
       absl::Seconds(absl::GetFlag(FLAGS_stream_idle_timeout_seconds));
   options.service.stream_limits.max_duration = absl::Seconds(absl::GetFlag(FLAGS_max_stream_seconds));
@@ -184,7 +189,8 @@ absl::StatusOr<DaemonOptions> OptionsFromFlags(const config::ConfigFile* file) {
   for (const auto& [name, value] :
        {std::pair<const char*, int64_t>{"--max_pools", absl::GetFlag(FLAGS_max_pools)},
         {"--max_streams", absl::GetFlag(FLAGS_max_streams)},
-        {"--tenant_max_streams", absl::GetFlag(FLAGS_tenant_max_streams)}}) {
+        {"--tenant_max_streams", absl::GetFlag(FLAGS_tenant_max_streams)},
+        {"--max_streams_per_connection", absl::GetFlag(FLAGS_max_streams_per_connection)}}) {
     if (value < 1) return absl::InvalidArgumentError(absl::StrCat(name, " must be at least 1"));
   }
   if (options.keepalive_seconds < 1 || options.keepalive_timeout_seconds < 1 ||

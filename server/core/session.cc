@@ -353,6 +353,10 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
                                 session->slots, ") or its sequence above 2^56"));
   }
   KVF_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, pools_->Get(*session->owner, r.pool));
+  if (r.pool_id != 0 && pool->id() != r.pool_id) {
+    return Error(absl::StatusCode::kAborted, ErrorReason::kPoolNotFound,
+                 absl::StrCat("pool '", r.pool, "' was deleted and made again meanwhile"));
+  }
   if (pool->device() != session->device) {
     return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kDeviceMismatch,
                  absl::StrCat("pool '", r.pool, "' lives on ", pool->device(), ", the session's tensors on ",
@@ -634,7 +638,7 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
   auto done = std::make_shared<Completion>(std::move(*submitted));
   const auto submitted_at = std::chrono::steady_clock::now();
   auto complete = [done, finish, tensor, pool, observer = observer_, op, bytes_moved, start,
-                   submitted_at]() {
+                   submitted_at, hold = r.hold]() {
     absl::Status ran = WithReason(done->Wait(), ErrorReason::kDeviceError);
     // The device part alone (kvferry_kernel_seconds{op="save"|"load"}).
     pool->ObserveOp(op, std::chrono::duration<double>(std::chrono::steady_clock::now() - submitted_at).count());

@@ -71,6 +71,12 @@ struct TransferRequest {
   std::vector<uint64_t> tensor_blocks;
   std::vector<PageHandle> pages;
   std::optional<AsyncSlot> async;
+  // Nonzero: the pool must be this incarnation (Pool::id()), else ABORTED (POOL_NOT_FOUND):
+  // pages taken from the cache are not those of a pool of the same name made since.
+  uint64_t pool_id = 0;
+  // Kept until the transfer's device work has finished, also when asynchronous (a cache
+  // load's pin of its blocks).
+  std::shared_ptr<const void> hold;
 };
 
 struct PoolExport {

@@ -19,6 +19,7 @@ namespace {
 
 using grpc::ServerContext;
 using Tenant = std::shared_ptr<TenantAccount>;
+using Watch = StreamWatchdog::Watch;
 
 void NamespaceToProto(const NamespaceInfo& info, v1::Namespace* out) {
   out->set_name(info.name);
@@ -66,13 +67,15 @@ absl::StatusOr<BlockPut::Result> StreamPut(
     ServerContext* context, grpc::ServerReader<Request>* reader,
     const std::function<absl::StatusOr<std::unique_ptr<BlockPut>>(const Request&)>& begin,
     const std::function<absl::Status(const Request& first, const Request& msg)>& same_target,
-    const std::function<absl::Status(BlockPut&, const Request&)>& add, uint64_t* received) {
+    const std::function<absl::Status(BlockPut&, const Request&)>& add, uint64_t* received,
+    Watch& watch) {
   Request first, msg;
   std::unique_ptr<BlockPut> put;
   StreamReader<Request> stream(reader);
   bool undecodable = false;
   while (stream.Read(put ? &msg : &first, &undecodable)) {
     if (context->IsCancelled()) return ClientGone(context);
+    watch.Touch();
     const Request& m = put ? msg : first;
     *received += m.ByteSizeLong();
     if (!put) {
@@ -113,7 +116,11 @@ grpc::Status KvCacheService::HandleStream(ServerContext* context, Body&& body) c
   return Handle(context, [&](const Tenant& tenant) -> absl::Status {
     KVF_ASSIGN_OR_RETURN(const ScopedCharge stream,
                          ScopedCharge::Take(tenant, Resource::kStreams, 1));
-    return body(tenant);
+    const std::unique_ptr<StreamWatchdog::Watch> watch = watchdog_->Start(context);
+    const absl::Status status = body(tenant, *watch);
+    // Cancelled by the watchdog (or the daemon stopping): say why.
+    if (absl::Status expired = watch->Expired(); !expired.ok()) return expired;
+    return status;
   });
 }
 
@@ -175,7 +182,7 @@ grpc::Status KvCacheService::DeleteNamespace(ServerContext* context,
 grpc::Status KvCacheService::PutRows(ServerContext* context,
                                      grpc::ServerReader<v1::PutRowsRequest>* reader,
                                      v1::PutResponse* out) {
-  return HandleStream(context, [&](const Tenant& tenant) -> absl::Status {
+  return HandleStream(context, [&](const Tenant& tenant, Watch& watch) -> absl::Status {
     uint64_t received = 0;
     KVF_ASSIGN_OR_RETURN(
         const BlockPut::Result result,
@@ -190,7 +197,7 @@ grpc::Status KvCacheService::PutRows(ServerContext* context,
             [](BlockPut& put, const v1::PutRowsRequest& m) {
               return put.AddRows(m.key(), m.layer(), m.first_slot(), Bytes(m.rows()));
             },
-            &received));
+            &received, watch));
     out->set_blocks_stored(result.stored);
     out->set_blocks_already_held(result.already_held);
     out->set_bytes_received(received);
@@ -201,7 +208,7 @@ grpc::Status KvCacheService::PutRows(ServerContext* context,
 grpc::Status KvCacheService::PutPages(ServerContext* context,
                                       grpc::ServerReader<v1::PutPagesRequest>* reader,
                                       v1::PutResponse* out) {
-  return HandleStream(context, [&](const Tenant& tenant) -> absl::Status {
+  return HandleStream(context, [&](const Tenant& tenant, Watch& watch) -> absl::Status {
     uint64_t received = 0;
     KVF_ASSIGN_OR_RETURN(
         const BlockPut::Result result,
@@ -222,7 +229,7 @@ grpc::Status KvCacheService::PutPages(ServerContext* context,
             [](BlockPut& put, const v1::PutPagesRequest& m) {
               return put.AddPageBytes(m.key(), m.layer(), m.offset(), Bytes(m.data()));
             },
-            &received));
+            &received, watch));
     out->set_blocks_stored(result.stored);
     out->set_blocks_already_held(result.already_held);
     out->set_bytes_received(received);
@@ -260,7 +267,7 @@ grpc::Status KvCacheService::ReleaseLease(ServerContext* context,
 
 grpc::Status KvCacheService::LoadRows(ServerContext* context, const v1::LoadRowsRequest* req,
                                       grpc::ServerWriter<v1::WorkspaceChunk>* writer) {
-  return HandleStream(context, [&](const Tenant& tenant) -> absl::Status {
+  return HandleStream(context, [&](const Tenant& tenant, Watch& watch) -> absl::Status {
     if (req->first_block() > (uint64_t{1} << 40) || req->num_blocks() > (uint64_t{1} << 40)) {
       return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kBlockOutOfRange,
                    "first_block or num_blocks is beyond any lease");
@@ -284,13 +291,14 @@ grpc::Status KvCacheService::LoadRows(ServerContext* context, const v1::LoadRows
         [](uint64_t offset, v1::WorkspaceChunk& chunk) {
           chunk.set_first_row(offset / kBf16RowBytes);
         },
-        [](v1::WorkspaceChunk& chunk) { return chunk.mutable_rows(); });
+        [](v1::WorkspaceChunk& chunk) { return chunk.mutable_rows(); },
+        [&] { watch.Touch(); });
   });
 }
 
 grpc::Status KvCacheService::LoadPages(ServerContext* context, const v1::LoadPagesRequest* req,
                                        grpc::ServerWriter<v1::PageChunk>* writer) {
-  return HandleStream(context, [&](const Tenant& tenant) -> absl::Status {
+  return HandleStream(context, [&](const Tenant& tenant, Watch& watch) -> absl::Status {
     if (req->first_block() > (uint64_t{1} << 40) || req->num_blocks() > (uint64_t{1} << 40)) {
       return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kBlockOutOfRange,
                    "first_block or num_blocks is beyond any lease");
@@ -314,14 +322,15 @@ grpc::Status KvCacheService::LoadPages(ServerContext* context, const v1::LoadPag
           chunk.set_offset(offset);
           chunk.set_page_bytes(page_bytes);
         },
-        [](v1::PageChunk& chunk) { return chunk.mutable_data(); });
+        [](v1::PageChunk& chunk) { return chunk.mutable_data(); },
+        [&] { watch.Touch(); });
   });
 }
 
 grpc::Status KvCacheService::SubscribeEvents(ServerContext* context,
                                              const v1::SubscribeEventsRequest* req,
                                              grpc::ServerWriter<v1::EventBatch>* writer) {
-  return HandleStream(context, [&](const Tenant& tenant) -> absl::Status {
+  return HandleStream(context, [&](const Tenant& tenant, Watch& watch) -> absl::Status {
     EventLog& log = index_->events();
     if (req->publisher_id() != 0 && req->publisher_id() != log.publisher_id()) {
       return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kPublisherChanged,
@@ -329,6 +338,9 @@ grpc::Status KvCacheService::SubscribeEvents(ServerContext* context,
                                 "restarted, now publisher ", log.publisher_id(),
                                 "): take a Snapshot"));
     }
+    // Open as long as the subscriber reads: its heartbeats keep the idle timeout away, a
+    // subscriber that stops reading is cancelled by it.
+    watch.LongLived(/*idle_checked=*/true);
     uint64_t after = req->after_sequence();
     // A heartbeat first: the subscriber learns the publisher and where the sequence is.
     bool heartbeat = true;
@@ -357,13 +369,14 @@ grpc::Status KvCacheService::SubscribeEvents(ServerContext* context,
       // Read waited at most half a second: an idle stream gets a heartbeat at least every
       // second.
       if (!writer->Write(batch)) return ClientGone(context);
+      watch.Touch();
     }
   });
 }
 
 grpc::Status KvCacheService::Snapshot(ServerContext* context, const v1::SnapshotRequest*,
                                       grpc::ServerWriter<v1::SnapshotChunk>* writer) {
-  return HandleStream(context, [&](const Tenant& tenant) -> absl::Status {
+  return HandleStream(context, [&](const Tenant& tenant, Watch& watch) -> absl::Status {
     const BlockIndex::Snapshot snapshot = index_->TakeSnapshot(*tenant);
     v1::SnapshotChunk chunk;
     size_t bytes = 0;
@@ -371,6 +384,7 @@ grpc::Status KvCacheService::Snapshot(ServerContext* context, const v1::Snapshot
       chunk.set_publisher_id(snapshot.publisher_id);
       chunk.set_sequence(snapshot.sequence);
       if (!writer->Write(chunk)) return ClientGone(context);
+      watch.Touch();
       chunk.Clear();
       bytes = 0;
       return absl::OkStatus();

@@ -17,7 +17,9 @@ class KvCacheService final : public kvferry::v1::KvCache::Service {
   // Everything passed outlives the service.
   KvCacheService(PoolManager* pools, BlockIndex* index, ServiceOptions options,
                  const Authenticator* auth)
-      : pools_(pools), index_(index), options_(options), auth_(auth) {}
+      : pools_(pools), index_(index), options_(options), auth_(auth),
+        own_watchdog_(OwnWatchdog(options_)),
+        watchdog_(options_.watchdog != nullptr ? options_.watchdog : own_watchdog_.get()) {}
 
   grpc::Status CreateNamespace(grpc::ServerContext*, const v1::CreateNamespaceRequest*,
                                v1::Namespace*) override;
@@ -43,7 +45,8 @@ class KvCacheService final : public kvferry::v1::KvCache::Service {
                         grpc::ServerWriter<v1::SnapshotChunk>*) override;
 
  private:
-  // Authenticates, runs `body(tenant)`, maps its status once (stream: holds a stream slot).
+  // Authenticates, runs `body(tenant)`, maps its status once (stream: holds a stream slot
+  // and runs `body(tenant, watch)` under the watchdog).
   template <typename Body>
   grpc::Status Handle(grpc::ServerContext* context, Body&& body) const;
   template <typename Body>
@@ -54,6 +57,8 @@ class KvCacheService final : public kvferry::v1::KvCache::Service {
   BlockIndex* const index_;
   const ServiceOptions options_;
   const Authenticator* const auth_;
+  std::unique_ptr<StreamWatchdog> own_watchdog_;
+  StreamWatchdog* const watchdog_;
 };
 
 }  // namespace kvferry::server

@@ -78,7 +78,8 @@ KvFerryService::KvFerryService(PoolManager* pools, SessionManager* sessions, Ser
       options_(options),
       default_auth_(std::make_unique<OpenAuthenticator>(std::make_shared<TenantAccount>(""))),
       auth_(default_auth_.get()),
-      watchdog_(std::make_unique<StreamWatchdog>(options_.stream_limits, options_.on_stream_expired)) {}
+      own_watchdog_(OwnWatchdog(options_)),
+      watchdog_(options_.watchdog != nullptr ? options_.watchdog : own_watchdog_.get()) {}
 
 KvFerryService::KvFerryService(PoolManager* pools, SessionManager* sessions,
                                ServiceOptions options, const Authenticator* auth)
@@ -86,7 +87,8 @@ KvFerryService::KvFerryService(PoolManager* pools, SessionManager* sessions,
       sessions_(sessions),
       options_(options),
       auth_(auth),
-      watchdog_(std::make_unique<StreamWatchdog>(options_.stream_limits, options_.on_stream_expired)) {}
+      own_watchdog_(OwnWatchdog(options_)),
+      watchdog_(options_.watchdog != nullptr ? options_.watchdog : own_watchdog_.get()) {}
 
 template <typename Body>
 grpc::Status KvFerryService::Handle(ServerContext* context, Body&& body) const {

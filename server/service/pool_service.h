@@ -24,6 +24,9 @@ struct ServiceOptions {
   int64_t max_page_size = 1000;           // pools per ListPools / GetStats reply
   StreamLimits stream_limits;             // idle timeout and longest duration of a stream
   std::function<void(ErrorReason)> on_stream_expired;  // each stream the limits ended (metrics)
+  // The daemon's one watchdog, shared by its services (outlives them); null: a service
+  // makes its own from stream_limits.
+  StreamWatchdog* watchdog = nullptr;
 };
 
 // Every handler first asks `auth` who calls: a call it refuses does nothing else. The
@@ -79,7 +82,8 @@ class KvFerryService final : public kvferry::v1::KvFerry::Service {
   const ServiceOptions options_;
   std::unique_ptr<Authenticator> default_auth_;  // when constructed without one
   const Authenticator* auth_;
-  std::unique_ptr<StreamWatchdog> watchdog_;
+  std::unique_ptr<StreamWatchdog> own_watchdog_;
+  StreamWatchdog* watchdog_;
 };
 
 }  // namespace kvferry::server

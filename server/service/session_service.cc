@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/errors.h"
 #include "common/log.h"
+#include "core/cache_session.h"
 #include "kvferry/kernels/status_macros.h"
 #include "service/convert.h"
 #include "service/status.h"
@@ -95,8 +96,14 @@ grpc::Status SessionService::OpenSession(
     grpc::ServerReaderWriter<v1::SessionEvent, v1::SessionRequest>* stream) {
   absl::StatusOr<std::shared_ptr<TenantAccount>> owner = auth_->Authenticate(*context);
   if (!owner.ok()) return ToGrpcStatus(context, owner.status());
+  absl::StatusOr<ScopedCharge> slot = ScopedCharge::Take(*owner, Resource::kStreams, 1);
+  if (!slot.ok()) return ToGrpcStatus(context, slot.status());
+  const std::unique_ptr<StreamWatchdog::Watch> watch = watchdog_->Start(context);
   v1::SessionRequest first;
-  if (!stream->Read(&first)) return grpc::Status::CANCELLED;
+  if (!stream->Read(&first)) {
+    const absl::Status expired = watch->Expired();
+    return expired.ok() ? grpc::Status::CANCELLED : ToGrpcStatus(context, expired);
+  }
   if (!first.has_open()) {
     return ToGrpcStatus(context, Error(absl::StatusCode::kInvalidArgument,
                                        ErrorReason::kInvalidRequest,
@@ -106,6 +113,8 @@ grpc::Status SessionService::OpenSession(
       sessions_->Open(*owner, first.open().worker(), first.open().device(),
                       first.open().completion_slots());
   if (!opened.ok()) return ToGrpcStatus(context, opened.status());
+  // Open: the session lives as long as its worker, however quiet.
+  watch->LongLived(/*idle_checked=*/false);
   const uint64_t id = opened->session_id;
   log::Info("session opened id={} worker={} device=cuda:{}", id,
             log::Quoted(first.open().worker()), first.open().device());
@@ -130,6 +139,7 @@ grpc::Status SessionService::OpenSession(
   sessions_->Close(id);
   writer.join();
   log::Info("session closed id={}{}", id, context->IsCancelled() ? " (worker gone)" : "");
+  if (absl::Status expired = watch->Expired(); !expired.ok()) return ToGrpcStatus(context, expired);
   return grpc::Status::OK;
 }
 
@@ -151,6 +161,33 @@ grpc::Status SessionService::RegisterKv(grpc::ServerContext* context,
 grpc::Status SessionService::Save(grpc::ServerContext* context, const v1::SaveRequest* req,
                                   v1::TransferResponse* out) {
   return Handle(context, [&](const TenantAccount& caller) -> absl::Status {
+    if (req->has_cache()) {
+      if (req->has_completion() || !req->sources().empty() || !req->destinations().empty() ||
+          !req->destination_pages().empty() || req->has_destination_page_list()) {
+        return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                     "a save by key names source_blocks and cache keys only, and is "
+                     "synchronous (no completion, sources, destinations or pages)");
+      }
+      CacheSaveRequest s;
+      s.caller = &caller;
+      s.session_id = req->session_id();
+      s.name_space = req->cache().namespace_();
+      s.digest = req->cache().digest();
+      s.pool = req->pool();
+      s.keys.assign(req->cache().keys().begin(), req->cache().keys().end());
+      s.blocks.assign(req->source_blocks().begin(), req->source_blocks().end());
+      s.layer_tensors.assign(req->layer_tensor_ids().begin(), req->layer_tensor_ids().end());
+      if (s.layer_tensors.empty() && req->layer() == 0) s.layer_tensors.push_back(req->tensor_id());
+      KVF_ASSIGN_OR_RETURN(const CacheSaveResult result, SaveToCache(*sessions_, *cache_, s));
+      out->set_tokens(result.tokens);
+      out->set_blocks_stored(result.stored);
+      out->set_blocks_already_held(result.already_held);
+      return absl::OkStatus();
+    }
+    if (!req->layer_tensor_ids().empty()) {
+      return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                   "layer_tensor_ids belong to a save by key (cache)");
+    }
     TransferRequest t = Common(*req, caller);
     t.blocks = FromProto(req->sources());
     t.locations = server::FromProto(req->destinations());
@@ -167,11 +204,28 @@ grpc::Status SessionService::Load(grpc::ServerContext* context, const v1::LoadRe
                                   v1::TransferResponse* out) {
   return Handle(context, [&](const TenantAccount& caller) -> absl::Status {
     TransferRequest t = Common(*req, caller);
+    t.tensor_blocks.assign(req->destination_blocks().begin(), req->destination_blocks().end());
+    if (req->has_cache()) {
+      if (!req->sources().empty() || !req->destinations().empty() ||
+          !req->source_pages().empty() || req->has_source_page_list()) {
+        return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                     "a load by key names its lease and destination_blocks only (no sources, "
+                     "destinations or pages)");
+      }
+      CacheLoadRequest l;
+      l.transfer = std::move(t);
+      l.name_space = req->cache().namespace_();
+      l.digest = req->cache().digest();
+      l.lease_id = req->cache().lease_id();
+      l.first_block = req->cache().first_block();
+      KVF_ASSIGN_OR_RETURN(const int64_t tokens, LoadFromCache(*sessions_, *cache_, std::move(l)));
+      out->set_tokens(tokens);
+      return absl::OkStatus();
+    }
     t.locations = server::FromProto(req->sources());
     t.blocks = FromProto(req->destinations());
     KVF_ASSIGN_OR_RETURN(t.pages, Pages(req->source_pages(), req->has_source_page_list(),
                                         req->source_page_list(), "source"));
-    t.tensor_blocks.assign(req->destination_blocks().begin(), req->destination_blocks().end());
     KVF_ASSIGN_OR_RETURN(const int64_t tokens, sessions_->Load(t));
     out->set_tokens(tokens);
     return absl::OkStatus();

@@ -4,17 +4,23 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "core/block_index.h"
 #include "core/session.h"
 #include "security/authenticator.h"
+#include "service/stream_watchdog.h"
 #include "kvferry/v1/session.grpc.pb.h"
 
 namespace kvferry::server {
 
 class SessionService final : public kvferry::v1::KvSession::Service {
  public:
-  // `auth` (who is calling) outlives the service.
-  SessionService(SessionManager* sessions, const Authenticator* auth)
-      : sessions_(sessions), auth_(auth) {}
+  // `auth` (who is calling) and `watchdog` outlive the service. A session stream holds one
+  // of its tenant's streams while open; until its `open` message it is bound by the
+  // watchdog's idle timeout, then it is long-lived (keepalive finds a dead worker).
+  // `cache` serves Save and Load by key.
+  SessionService(SessionManager* sessions, BlockIndex* cache, const Authenticator* auth,
+                 StreamWatchdog* watchdog)
+      : sessions_(sessions), cache_(cache), auth_(auth), watchdog_(watchdog) {}
 
   grpc::Status OpenSession(
       grpc::ServerContext*,
@@ -34,7 +40,9 @@ class SessionService final : public kvferry::v1::KvSession::Service {
   grpc::Status Handle(grpc::ServerContext* context, Body&& body) const;
 
   SessionManager* const sessions_;
+  BlockIndex* const cache_;
   const Authenticator* const auth_;
+  StreamWatchdog* const watchdog_;
 };
 
 }  // namespace kvferry::server

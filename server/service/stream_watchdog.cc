@@ -39,9 +39,24 @@ StreamWatchdog::Watch::~Watch() {
   watchdog_->watched_.erase(this);
 }
 
+void StreamWatchdog::CancelLongLived() {
+  kvferry::MutexLock lock(&mu_);
+  for (Watch* w : watched_) {
+    int none = 0;
+    if (w->long_lived_.load() &&
+        w->expired_.compare_exchange_strong(none, static_cast<int>(ErrorReason::kShuttingDown))) {
+      w->context_->TryCancel();
+    }
+  }
+}
+
 absl::Status StreamWatchdog::Watch::Expired() const {
   const int reason = expired_.load();
   if (reason == 0) return absl::OkStatus();
+  if (static_cast<ErrorReason>(reason) == ErrorReason::kShuttingDown) {
+    return Error(absl::StatusCode::kUnavailable, ErrorReason::kShuttingDown,
+                 "the daemon is stopping");
+  }
   if (static_cast<ErrorReason>(reason) == ErrorReason::kStreamIdleTimeout) {
     return Error(absl::StatusCode::kCancelled, ErrorReason::kStreamIdleTimeout,
                  absl::StrCat("the stream was idle for ",
@@ -68,15 +83,17 @@ void StreamWatchdog::Run() {
     const int64_t now = absl::GetCurrentTimeNanos();
     for (Watch* w : watched_) {
       if (w->expired_.load() != 0) continue;
+      const bool long_lived = w->long_lived_.load();
       ErrorReason reason;
-      if (idle > 0 && now - w->last_.load() > idle) {
+      if (idle > 0 && (!long_lived || w->idle_checked_.load()) && now - w->last_.load() > idle) {
         reason = ErrorReason::kStreamIdleTimeout;
-      } else if (longest > 0 && now - w->start_ > longest) {
+      } else if (longest > 0 && !long_lived && now - w->start_ > longest) {
         reason = ErrorReason::kStreamTooLong;
       } else {
         continue;
       }
-      w->expired_.store(static_cast<int>(reason));
+      int none = 0;
+      if (!w->expired_.compare_exchange_strong(none, static_cast<int>(reason))) continue;
       w->context_->TryCancel();
       log::Info("stream cancelled: {} peer={}", ReasonName(reason), log::Quoted(w->context_->peer()));
       if (on_expired_) on_expired_(reason);

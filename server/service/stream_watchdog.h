@@ -1,5 +1,12 @@
 // Time bounds of streaming calls: an idle timeout and a maximum duration, enforced by one
-// thread that cancels the streams past either.
+// thread that cancels the streams past either. One watchdog serves every service of a
+// daemon.
+//
+// Streams meant to stay open (event subscriptions, worker sessions) say so: they are not
+// bound by the maximum duration — a subscription still by the idle timeout, which its
+// heartbeats keep away while the subscriber reads; a session not even by that once it is
+// open (its worker may be quiet for hours; keepalive finds a dead one). At shutdown they
+// are cancelled at once (CancelLongLived), while bounded calls get the grace period.
 //
 // gRPC's synchronous API blocks a handler in Read() or Write() for as long as the client
 // neither sends nor reads; only cancelling the call from another thread ends that wait.
@@ -45,6 +52,9 @@ class StreamWatchdog {
 
   // Watches `context` until the returned Watch is destroyed (before the handler returns).
   std::unique_ptr<Watch> Start(grpc::ServerContext* context) ABSL_LOCKS_EXCLUDED(mu_);
+  // Cancels every long-lived stream now (the daemon is stopping): their handlers return
+  // UNAVAILABLE (SHUTTING_DOWN) instead of holding the shutdown for its grace period.
+  void CancelLongLived() ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   void Run() ABSL_LOCKS_EXCLUDED(mu_);
@@ -64,6 +74,12 @@ class StreamWatchdog::Watch {
   Watch(StreamWatchdog* watchdog, grpc::ServerContext* context);
   ~Watch();
   void Touch() { last_ = absl::GetCurrentTimeNanos(); }
+  // From now on the stream is long-lived: no maximum duration, the idle timeout only where
+  // `idle_checked`, cancelled at once when the daemon stops.
+  void LongLived(bool idle_checked) {
+    idle_checked_.store(idle_checked);
+    long_lived_.store(true);
+  }
   // OK while the watchdog has not cancelled the stream; else the error saying why.
   absl::Status Expired() const;
 
@@ -74,6 +90,16 @@ class StreamWatchdog::Watch {
   const int64_t start_;
   std::atomic<int64_t> last_;
   std::atomic<int> expired_{0};  // 0, or the ErrorReason the stream was cancelled for
+  std::atomic<bool> long_lived_{false};
+  std::atomic<bool> idle_checked_{true};
 };
+
+// A watchdog for a service: null when `options.watchdog` (ServiceOptions) names the
+// daemon's shared one, else a new one from its limits.
+template <typename Options>
+std::unique_ptr<StreamWatchdog> OwnWatchdog(const Options& options) {
+  if (options.watchdog != nullptr) return nullptr;
+  return std::make_unique<StreamWatchdog>(options.stream_limits, options.on_stream_expired);
+}
 
 }  // namespace kvferry::server

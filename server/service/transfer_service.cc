@@ -509,7 +509,8 @@ absl::Status TransferEngine::Pull(const TenantAccount& tenant, const v1::PullReq
 
 absl::Status TransferEngine::Serve(
     const TenantAccount& tenant, grpc::ServerContext& context,
-    grpc::ServerReaderWriter<v1::PeerMessage, v1::PeerMessage>* stream) {
+    grpc::ServerReaderWriter<v1::PeerMessage, v1::PeerMessage>* stream,
+    const std::function<void()>& progress) {
   KVF_RETURN_IF_ERROR(CheckUcx());
   const std::string peer = context.peer();
   const double start = Seconds();
@@ -518,7 +519,12 @@ absl::Status TransferEngine::Serve(
     return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
                  "the transfer stream ended before its first message");
   }
-  auto cancelled = [&] { return context.IsCancelled(); };
+  progress();
+  // Polled while bytes move (each wait bounded by the peer timeout).
+  auto cancelled = [&] {
+    progress();
+    return context.IsCancelled();
+  };
   if (first.has_offer()) {
     // Push: this daemon receives.
     const v1::PeerOffer& offer = first.offer();
@@ -605,9 +611,14 @@ grpc::Status TransferService::Pull(grpc::ServerContext* context, const v1::PullR
 grpc::Status PeerService::Exchange(
     grpc::ServerContext* context,
     grpc::ServerReaderWriter<v1::PeerMessage, v1::PeerMessage>* stream) {
-  return Handle(*engine_->auth(), context, [&](const TenantAccount& tenant) {
-    return engine_->Serve(tenant, *context, stream);
-  });
+  absl::StatusOr<std::shared_ptr<TenantAccount>> tenant = engine_->auth()->Authenticate(*context);
+  if (!tenant.ok()) return ToGrpcStatus(context, tenant.status());
+  absl::StatusOr<ScopedCharge> slot = ScopedCharge::Take(*tenant, Resource::kStreams, 1);
+  if (!slot.ok()) return ToGrpcStatus(context, slot.status());
+  const std::unique_ptr<StreamWatchdog::Watch> watch = watchdog_->Start(context);
+  const absl::Status status = engine_->Serve(**tenant, *context, stream, [&] { watch->Touch(); });
+  if (absl::Status expired = watch->Expired(); !expired.ok()) return ToGrpcStatus(context, expired);
+  return ToGrpcStatus(context, status);
 }
 
 }  // namespace kvferry::server

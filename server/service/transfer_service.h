@@ -21,6 +21,7 @@
 #include "core/staged_write.h"
 #include "security/authenticator.h"
 #include "transport/ucx_worker.h"
+#include "service/stream_watchdog.h"
 #include "kvferry/v1/transfer.grpc.pb.h"
 
 namespace kvferry::server {
@@ -64,8 +65,10 @@ class TransferEngine {
   absl::Status Pull(const TenantAccount& tenant, const v1::PullRequest& req, grpc::ServerContext& context,
                     v1::TransferPagesResponse* out);
   // A peer's side of its transfer: the receiver of a Push, the sender of a Pull.
+  // `progress` is told whenever the transfer is alive (the stream watchdog's sign).
   absl::Status Serve(const TenantAccount& tenant, grpc::ServerContext& context,
-                     grpc::ServerReaderWriter<v1::PeerMessage, v1::PeerMessage>* stream);
+                     grpc::ServerReaderWriter<v1::PeerMessage, v1::PeerMessage>* stream,
+                     const std::function<void()>& progress = [] {});
 
   const Authenticator* auth() const { return auth_; }
 
@@ -116,14 +119,18 @@ class TransferService final : public v1::Transfer::Service {
   TransferEngine* const engine_;
 };
 
+// A peer's stream holds one of its tenant's streams and is bound by the stream watchdog
+// (a caller that opens it and says nothing is cancelled at the idle timeout).
 class PeerService final : public v1::Peer::Service {
  public:
-  explicit PeerService(TransferEngine* engine) : engine_(engine) {}
+  PeerService(TransferEngine* engine, StreamWatchdog* watchdog)
+      : engine_(engine), watchdog_(watchdog) {}
   grpc::Status Exchange(grpc::ServerContext*,
                         grpc::ServerReaderWriter<v1::PeerMessage, v1::PeerMessage>*) override;
 
  private:
   TransferEngine* const engine_;
+  StreamWatchdog* const watchdog_;
 };
 
 }  // namespace kvferry::server

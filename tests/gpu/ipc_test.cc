@@ -358,6 +358,134 @@ TEST_F(IpcTest, InvalidSavesAndLoadsChangeNothing) {
   EXPECT_TRUE(client_->Health().ok());
 }
 
+// Issue #11 through the session: blocks saved by key from the worker's per-layer tensors
+// are the CPU reference's pages (read back through the cache's own LoadPages); a lease's
+// hits load into worker blocks (synchronously and through a completion word) as the
+// reference dequantizes them; a save with a NaN row in its last layer stores nothing; an
+// ended lease, a wrong digest and a short list of layer tensors are refused.
+TEST_F(IpcTest, CacheBlocksSaveByKeyAndLoadByLeaseInPlace) {
+  const int ps = 64, blocks = 4, layers = 2;
+  const Layout layout = Layout::kV41;
+  const std::string pool = "cache.v41";
+  ASSERT_TRUE(client_->CreatePool({pool, L(layout), ps, 8, layers, "cuda:0"}).ok());
+  auto ns = client_->CreateNamespace({.name = "ns", .model_fingerprint = "m", .layer_group = "0-1",
+                                      .block_tokens = ps, .pools = {pool}});
+  ASSERT_TRUE(ns.ok()) << ns.status();
+  // One dense bf16 tensor per layer, the same block ids in each.
+  std::vector<std::vector<uint16_t>> rows;
+  std::vector<std::unique_ptr<Device>> tensors;
+  std::vector<uint64_t> ids;
+  for (int l = 0; l < layers; ++l) {
+    rows.push_back(testing::RandomRows(blocks * ps, 40 + l));
+    tensors.push_back(std::make_unique<Device>(blocks * ps * 1024));
+    tensors.back()->Upload(rows.back().data(), blocks * ps * 1024);
+    ids.push_back(RegisterBf16(*tensors.back(), blocks, ps, 1024, ps * 1024));
+  }
+  // The reference page of source block b in layer l.
+  auto page_of = [&](int l, int b) {
+    const PoolGeometry g{layout, ps, 1};
+    std::vector<uint8_t> page(g.pool_bytes(), 0);
+    std::vector<uint16_t> block(rows[l].begin() + b * ps * 512, rows[l].begin() + (b + 1) * ps * 512);
+    std::vector<int64_t> locs(ps);
+    std::iota(locs.begin(), locs.end(), 0);
+    EXPECT_TRUE(reference::QuantizeStore(g, block, locs, page).ok());
+    return page;
+  };
+  const std::vector<std::string> keys = {"k0", "k1", "k2", "k3"};
+  auto saved = session_->SaveToCache(ns->ref(), pool, ids, keys, std::vector<uint64_t>{0, 1, 2, 3});
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  EXPECT_EQ(saved->blocks_stored, 4u);
+  EXPECT_EQ(saved->blocks_already_held, 0u);
+  EXPECT_EQ(saved->tokens, static_cast<uint64_t>(layers * blocks * ps));
+  // Idempotent: k3 is held and skipped, k4 is new (source block 0).
+  saved = session_->SaveToCache(ns->ref(), pool, ids, std::vector<std::string>{"k3", "k4"},
+                                std::vector<uint64_t>{3, 0});
+  ASSERT_TRUE(saved.ok()) << saved.status();
+  EXPECT_EQ(saved->blocks_stored, 1u);
+  EXPECT_EQ(saved->blocks_already_held, 1u);
+  const std::vector<int> source = {0, 1, 2, 3, 0};  // of k0..k4
+
+  const std::vector<std::string> all = {"k0", "k1", "k2", "k3", "k4", "k5"};
+  auto hit = client_->Lookup(ns->ref(), all, {.lease_ttl = absl::Seconds(60)});
+  ASSERT_TRUE(hit.ok()) << hit.status();
+  ASSERT_EQ(hit->hit_blocks, 5u);
+  // The stored pages, read through the cache's gRPC load: the reference, block by block.
+  std::vector<uint8_t> expected_pages;
+  for (int k = 0; k < 5; ++k) {
+    for (int l = 0; l < layers; ++l) {
+      const auto page = page_of(l, source[k]);
+      expected_pages.insert(expected_pages.end(), page.begin(), page.end());
+    }
+  }
+  EXPECT_EQ(*client_->LoadPages(ns->ref(), hit->lease_id, pool), expected_pages);
+
+  // Lease blocks 1..4 (k1..k4) of layer 1 into blocks 3,2,1,0 of a fresh tensor.
+  Device out(blocks * ps * 1024);
+  const uint64_t out_id = RegisterBf16(out, blocks, ps, 1024, ps * 1024);
+  const std::vector<uint64_t> into = {3, 2, 1, 0};
+  auto loaded = session_->LoadFromCache(out_id, ns->ref(), hit->lease_id, pool, 1, 1, into);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(*loaded, static_cast<uint64_t>(blocks * ps));
+  auto dequantized = [&](int l, int k) {
+    const PoolGeometry g{layout, ps, 1};
+    std::vector<uint16_t> r(ps * 512);
+    std::vector<int64_t> locs(ps);
+    std::iota(locs.begin(), locs.end(), 0);
+    EXPECT_TRUE(reference::DequantizeGather(g, page_of(l, source[k]), locs, r).ok());
+    return r;
+  };
+  auto expect_blocks = [&](int l, int first) {
+    const auto got = out.Download();
+    for (int i = 0; i < 4; ++i) {
+      const auto want = dequantized(l, first + i);
+      EXPECT_TRUE(std::equal(want.begin(), want.end(),
+                             reinterpret_cast<const uint16_t*>(got.data()) + into[i] * ps * 512))
+          << "layer " << l << " lease block " << first + i;
+    }
+  };
+  expect_blocks(1, 1);
+  // Asynchronously, layer 0 of lease blocks 0..3; the lease ends while it runs: the load
+  // still completes (its blocks stay pinned until then).
+  auto pending = session_->LoadFromCacheAsync(out_id, ns->ref(), hit->lease_id, pool, 0, 0, into);
+  ASSERT_TRUE(pending.ok()) << pending.status();
+  ASSERT_TRUE(client_->ReleaseLease(ns->ref(), hit->lease_id).ok());
+  ASSERT_TRUE(pending->Wait(absl::Seconds(30)).ok());
+  expect_blocks(0, 0);
+  // An ended lease: refused before any byte, the tensor untouched.
+  const auto before = out.Download();
+  auto ended = session_->LoadFromCache(out_id, ns->ref(), hit->lease_id, pool, 0, 0, into);
+  EXPECT_EQ(client::ErrorReason(ended.status()), "LEASE_EXPIRED") << ended.status();
+  EXPECT_EQ(out.Download(), before);
+
+  // A NaN in the last layer's block 2: nothing of the save is stored or visible, and its
+  // pages are free again.
+  const uint16_t nan = 0x7FC0;
+  ASSERT_EQ(cudaMemcpy(static_cast<uint8_t*>(tensors[1]->ptr) + (2 * ps + 5) * 1024 + 64, &nan, 2,
+                       cudaMemcpyHostToDevice), cudaSuccess);
+  const auto used = client_->DescribePool(pool)->pages_used;
+  auto bad = session_->SaveToCache(ns->ref(), pool, ids, std::vector<std::string>{"k5", "k6"},
+                                   std::vector<uint64_t>{1, 2});
+  EXPECT_EQ(client::ErrorReason(bad.status()), "NON_FINITE_VALUE") << bad.status();
+  EXPECT_EQ(client_->Lookup(ns->ref(), std::vector<std::string>{"k5"})->hit_blocks, 0u);
+  EXPECT_EQ(client_->DescribePool(pool)->pages_used, used);
+  // A wrong digest, a layer missing, a key without a block.
+  client::NamespaceRef wrong = ns->ref();
+  wrong.digest ^= 1;
+  EXPECT_EQ(client::ErrorReason(session_->SaveToCache(wrong, pool, ids, std::vector<std::string>{"k7"},
+                                                      std::vector<uint64_t>{1}).status()),
+            "NAMESPACE_MISMATCH");
+  EXPECT_EQ(client::ErrorReason(session_->SaveToCache(ns->ref(), pool, std::vector<uint64_t>{ids[0]},
+                                                      std::vector<std::string>{"k7"},
+                                                      std::vector<uint64_t>{1}).status()),
+            "INVALID_REQUEST");
+  EXPECT_EQ(client::ErrorReason(session_->SaveToCache(ns->ref(), pool, ids,
+                                                      std::vector<std::string>{"k7", "k8"},
+                                                      std::vector<uint64_t>{1}).status()),
+            "INVALID_REQUEST");
+  EXPECT_EQ(client_->Lookup(ns->ref(), std::vector<std::string>{"k7"})->hit_blocks, 0u);
+  EXPECT_EQ(client_->DescribePool(pool)->pages_used, used);
+}
+
 TEST_F(IpcTest, AnExportedPoolReadsInPlaceAndIsRevokedWhenDeleted) {
   const int ps = 64;
   const auto rows = testing::RandomRows(ps, 4);

@@ -700,7 +700,9 @@ void Churn(Daemon& d, Cache& cache, int round) {
   const v1::Namespace ns = cache.Namespace("ns" + std::to_string(round), {a, b}, 16);
   for (int i = 0; i < 10; ++i) {  // 10 blocks into 6 pages: evictions
     ASSERT_TRUE(cache.PutBlocks(ns, a, {Key("x", i)}, rows, 16).ok());
-    if (i % 2 == 0) ASSERT_TRUE(cache.PutBlocks(ns, b, {Key("x", i)}, rows, 16).ok());
+    if (i % 2 == 0) {
+      ASSERT_TRUE(cache.PutBlocks(ns, b, {Key("x", i)}, rows, 16).ok());
+    }
   }
   ASSERT_TRUE(testing::DeletePool(d, b).ok());
 }

@@ -649,7 +649,7 @@ TEST(QuotaTest, StreamsAndStagedWriteBytesRunOutAndComeBack) {
 
 TEST(EchoTest, ClientStringsComeBackBoundedAndEscaped) {
   Daemon d;
-  for (const std::string name :
+  for (const std::string& name :
        {std::string("evil\n2026-01-01 info pool deleted name=\"x\""), std::string(1 << 20, 'n')}) {
     grpc::ClientContext ctx;
     v1::DescribePoolRequest req;
@@ -661,7 +661,7 @@ TEST(EchoTest, ClientStringsComeBackBoundedAndEscaped) {
     EXPECT_LT(s.error_message().size(), 300u);
     EXPECT_EQ(s.error_message().find('\n'), std::string::npos);
   }
-  for (const std::string device :
+  for (const std::string& device :
        {std::string("cuda:\n1"), std::string(1 << 20, 'd'), std::string("cuda:7\n")}) {
     grpc::ClientContext ctx;
     v1::CreatePoolRequest req;

@@ -1,7 +1,6 @@
 // Sessions through the real daemon without a GPU: the argument checks, session-owned pages
 // freed when the session ends — cleanly or by kill -9 of the worker — and the daemon
 // healthy after.
-#include <httplib.h>
 #include <signal.h>
 
 #include <grpcpp/grpcpp.h>
@@ -9,6 +8,7 @@
 #include <cstdio>
 
 #include "daemon_harness.h"
+#include "metrics_scrape.h"
 #include "kvferry/client/client.h"
 #include "kvferry/client/session.h"
 #include "kvferry/v1/session.grpc.pb.h"
@@ -26,11 +26,6 @@ client::ClientOptions Options(const testing::Daemon& d) {
 
 uint64_t PagesUsed(testing::Daemon& d) { return testing::GetStats(d).pools(0).pages_used(); }
 
-std::string Metrics(int port) {
-  httplib::Client c("127.0.0.1", port);
-  auto res = c.Get("/metrics");
-  return res && res->status == 200 ? res->body : "";
-}
 
 TEST(SessionArgsTest, EveryBadRequestIsRefusedWithItsReason) {
   testing::Daemon d;
@@ -100,7 +95,7 @@ TEST(SessionPagesTest, PagesOfASessionAreFreedWhenItClosesOrItsWorkerIsKilled) {
     ASSERT_TRUE(session.ok());
     ASSERT_TRUE((*session)->AllocatePages("p", 5).ok());
     EXPECT_EQ(PagesUsed(d), 7u);
-    EXPECT_NE(Metrics(d.metrics_port()).find("kvferry_sessions 1"), std::string::npos);
+    EXPECT_NE(testing::Metrics(d).find("kvferry_sessions 1"), std::string::npos);
   }  // destroyed: closed
   EXPECT_EQ(PagesUsed(d), 2u);
 
@@ -127,7 +122,7 @@ TEST(SessionPagesTest, PagesOfASessionAreFreedWhenItClosesOrItsWorkerIsKilled) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   EXPECT_EQ(PagesUsed(d), 2u);
-  EXPECT_NE(Metrics(d.metrics_port()).find("kvferry_sessions 0"), std::string::npos);
+  EXPECT_NE(testing::Metrics(d).find("kvferry_sessions 0"), std::string::npos);
   EXPECT_TRUE(d.Alive());
   // The freed pages come back zeroed and usable.
   EXPECT_EQ(testing::Allocate(d, "p", 62).size(), 62u);

@@ -1,6 +1,5 @@
 // Pages between two real kvferryd processes over UCX (Push and Pull), on loopback, once per
 // transport: TCP, and shared memory.
-#include <httplib.h>
 #include <sys/wait.h>
 
 #include <chrono>
@@ -12,6 +11,7 @@
 #include "common/golden.h"
 #include "common/random_rows.h"
 #include "daemon_harness.h"
+#include "metrics_scrape.h"
 #include "kvferry/v1/transfer.grpc.pb.h"
 
 namespace kvferry {
@@ -25,25 +25,13 @@ std::string AsBytes(const std::vector<uint8_t>& v) { return std::string(v.begin(
 std::string Address(const Daemon& d) { return "127.0.0.1:" + std::to_string(d.grpc_port()); }
 
 // The daemon's /metrics text.
-std::string Scrape(const Daemon& d) {
-  httplib::Client client("127.0.0.1", d.metrics_port());
-  auto res = client.Get("/metrics");
-  return res ? res->body : "";
-}
-
-// The value of one sample line of `metrics` that starts with `prefix` ({labels} included).
-double Sample(const std::string& metrics, const std::string& prefix) {
-  const size_t at = metrics.find("\n" + prefix + " ");
-  if (at == std::string::npos) return -1;
-  return std::stod(metrics.substr(at + prefix.size() + 2));
-}
-
 // The daemon's staged write bytes once they fell to zero, or after 10 s what they were.
 double StagedBytesSettled(const Daemon& d) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
   double staged = -1;
   while (std::chrono::steady_clock::now() < deadline) {
-    staged = Sample(Scrape(d), "kvferry_budget_used{resource=\"staged_write_bytes\"}");
+    staged = testing::FindSample(testing::Metrics(d), "kvferry_budget_used{resource=\"staged_write_bytes\"}")
+                 .value_or(-1);
     if (staged == 0) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
@@ -191,7 +179,7 @@ TEST_P(TransferTest, GoldenPoolsArePushedAndPulledByteForByteAndTranscoded) {
     }
   }
   // Both sides count the bytes per peer.
-  const std::string metrics = Scrape(a);
+  const std::string metrics = testing::Metrics(a);
   EXPECT_NE(metrics.find("kvferry_peer_bytes_total{peer=\"" + Address(b) + "\",direction=\"sent\"}"),
             std::string::npos)
       << metrics;
@@ -334,7 +322,7 @@ INSTANTIATE_TEST_SUITE_P(Transports, TransferTest, ::testing::Values("tcp", "cma
 // refused with a reason, an offer it never sends bytes for ends within the idle time with
 // its staging released, and the daemon serves on with the pages unchanged.
 TEST(PeerHostileTest, MalformedOrAbandonedOffersAreRefusedAndLeaveNothingBehind) {
-  Daemon d({"--peer_timeout_seconds=1"});
+  Daemon d({"--peer_timeout_seconds=1", "--stream_idle_timeout_seconds=2"});
   testing::CreatePool(d, "dst", Layout::kV41, 16, 8);
   const auto dst = AllPages(d, "dst", 2);
   const uint64_t page_bytes = PageBytes(Layout::kV41, 16);
@@ -392,6 +380,25 @@ TEST(PeerHostileTest, MalformedOrAbandonedOffersAreRefusedAndLeaveNothingBehind)
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 10);
   EXPECT_EQ(StagedBytesSettled(d), 0);
   EXPECT_EQ(ReadAll(d, "dst", dst), std::string(2 * page_bytes, '\0'));
+  // A caller that opens the peer stream and says nothing holds one stream until the idle
+  // timeout ends it.
+  auto streams_reach = [&](double n) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (testing::Sample(testing::Metrics(d), "kvferry_budget_used{resource=\"streams\"}") != n) {
+      if (std::chrono::steady_clock::now() > until) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return true;
+  };
+  grpc::ClientContext mute_ctx;
+  const auto opened = std::chrono::steady_clock::now();
+  auto mute = stub->Exchange(&mute_ctx);
+  EXPECT_TRUE(streams_reach(1));
+  v1::PeerMessage reply;
+  EXPECT_FALSE(mute->Read(&reply));
+  EXPECT_EQ(mute->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - opened).count(), 20);
+  EXPECT_TRUE(streams_reach(0));
 }
 
 TEST(TransferOffTest, ADaemonWithoutUcxSaysSo) {

@@ -97,6 +97,22 @@ struct Session::Impl {
     uint64_t sequence;
     std::shared_ptr<Pending::Outcome> outcome;
   };
+  // Sends `request` with a completion slot; the Pending polls the slot's word.
+  template <typename Request>
+  absl::StatusOr<Pending> Async(grpc::Status (v1::KvSession::Stub::*method)(
+                                    grpc::ClientContext*, const Request&, v1::TransferResponse*),
+                                Request& request) {
+    absl::StatusOr<Slot> slot = TakeSlot();
+    if (!slot.ok()) return slot.status();
+    request.mutable_completion()->set_slot(slot->index);
+    request.mutable_completion()->set_sequence(slot->sequence);
+    v1::TransferResponse resp;
+    if (absl::Status s = Unary(method, request, &resp); !s.ok()) {
+      ReleaseSlot(slot->index);
+      return s;
+    }
+    return Pending(area, area->words + slot->index, slot->sequence, slot->outcome);
+  }
   // A slot whose request was refused: nothing will write its word.
   void ReleaseSlot(uint32_t index) {
     absl::MutexLock lock(&mu);
@@ -328,40 +344,74 @@ absl::StatusOr<uint64_t> Session::LoadBlocks(uint64_t tensor, const std::string&
 absl::StatusOr<Session::Pending> Session::SaveAsync(uint64_t tensor, const std::string& pool,
                                                     uint32_t layer, std::span<const BlockSlot> from,
                                                     std::span<const TokenLocation> to) {
-  absl::StatusOr<Impl::Slot> slot = impl_->TakeSlot();
-  if (!slot.ok()) return slot.status();
   v1::SaveRequest req;
   Target(req, impl_->id, tensor, pool, layer);
   AddSlots(from, req.mutable_sources());
   AddLocations(to, req.mutable_destinations());
-  req.mutable_completion()->set_slot(slot->index);
-  req.mutable_completion()->set_sequence(slot->sequence);
-  v1::TransferResponse resp;
-  if (absl::Status s = impl_->Unary(&v1::KvSession::Stub::Save, req, &resp); !s.ok()) {
-    impl_->ReleaseSlot(slot->index);
-    return s;
-  }
-  return Pending(impl_->area, impl_->area->words + slot->index, slot->sequence, slot->outcome);
+  return impl_->Async(&v1::KvSession::Stub::Save, req);
 }
 
 absl::StatusOr<Session::Pending> Session::LoadAsync(uint64_t tensor, const std::string& pool,
                                                     uint32_t layer,
                                                     std::span<const TokenLocation> from,
                                                     std::span<const BlockSlot> to) {
-  absl::StatusOr<Impl::Slot> slot = impl_->TakeSlot();
-  if (!slot.ok()) return slot.status();
   v1::LoadRequest req;
   Target(req, impl_->id, tensor, pool, layer);
   AddLocations(from, req.mutable_sources());
   AddSlots(to, req.mutable_destinations());
-  req.mutable_completion()->set_slot(slot->index);
-  req.mutable_completion()->set_sequence(slot->sequence);
+  return impl_->Async(&v1::KvSession::Stub::Load, req);
+}
+
+absl::StatusOr<Session::CacheSaveResult> Session::SaveToCache(
+    const NamespaceRef& ns, const std::string& pool, std::span<const uint64_t> layer_tensors,
+    std::span<const std::string> keys, std::span<const uint64_t> from) {
+  v1::SaveRequest req;
+  req.set_session_id(impl_->id);
+  req.set_pool(pool);
+  for (uint64_t t : layer_tensors) req.add_layer_tensor_ids(t);
+  for (uint64_t b : from) req.add_source_blocks(b);
+  v1::CacheBlocks* cache = req.mutable_cache();
+  cache->set_namespace_(ns.name);
+  cache->set_digest(ns.digest);
+  for (const std::string& key : keys) cache->add_keys(key);
   v1::TransferResponse resp;
-  if (absl::Status s = impl_->Unary(&v1::KvSession::Stub::Load, req, &resp); !s.ok()) {
-    impl_->ReleaseSlot(slot->index);
-    return s;
-  }
-  return Pending(impl_->area, impl_->area->words + slot->index, slot->sequence, slot->outcome);
+  KVF_CLIENT_RETURN(impl_->Unary(&v1::KvSession::Stub::Save, req, &resp));
+  return CacheSaveResult{resp.tokens(), resp.blocks_stored(), resp.blocks_already_held()};
+}
+
+namespace {
+
+v1::LoadRequest CacheLoad(uint64_t session, uint64_t tensor, const NamespaceRef& ns,
+                          uint64_t lease_id, const std::string& pool, uint32_t layer,
+                          uint64_t first_block, std::span<const uint64_t> to) {
+  v1::LoadRequest req;
+  Target(req, session, tensor, pool, layer);
+  for (uint64_t b : to) req.add_destination_blocks(b);
+  v1::CacheBlocks* cache = req.mutable_cache();
+  cache->set_namespace_(ns.name);
+  cache->set_digest(ns.digest);
+  cache->set_lease_id(lease_id);
+  cache->set_first_block(first_block);
+  return req;
+}
+
+}  // namespace
+
+absl::StatusOr<uint64_t> Session::LoadFromCache(uint64_t tensor, const NamespaceRef& ns,
+                                                uint64_t lease_id, const std::string& pool,
+                                                uint32_t layer, uint64_t first_block,
+                                                std::span<const uint64_t> to) {
+  const v1::LoadRequest req = CacheLoad(impl_->id, tensor, ns, lease_id, pool, layer, first_block, to);
+  v1::TransferResponse resp;
+  KVF_CLIENT_RETURN(impl_->Unary(&v1::KvSession::Stub::Load, req, &resp));
+  return resp.tokens();
+}
+
+absl::StatusOr<Session::Pending> Session::LoadFromCacheAsync(
+    uint64_t tensor, const NamespaceRef& ns, uint64_t lease_id, const std::string& pool,
+    uint32_t layer, uint64_t first_block, std::span<const uint64_t> to) {
+  v1::LoadRequest req = CacheLoad(impl_->id, tensor, ns, lease_id, pool, layer, first_block, to);
+  return impl_->Async(&v1::KvSession::Stub::Load, req);
 }
 
 absl::StatusOr<PoolMapping> Session::MapPool(const std::string& pool) {

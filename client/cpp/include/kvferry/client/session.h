@@ -107,6 +107,32 @@ class Session {
   absl::StatusOr<Pending> LoadAsync(uint64_t tensor, const std::string& pool, uint32_t layer,
                                     std::span<const TokenLocation> from, std::span<const BlockSlot> to);
 
+  // The KV cache's blocks by key (Client::Lookup and friends), moved in place like
+  // SaveBlocks / LoadBlocks. SaveToCache: source blocks `from` — the same block ids in each
+  // layer's tensor, `layer_tensors[l]` for layer l of member `pool`, every layer of it —
+  // become the blocks of `keys` (pairwise); keys already held are skipped; the new blocks
+  // are visible to lookups all at once when it returns, or not at all on an error.
+  struct CacheSaveResult {
+    uint64_t tokens = 0;               // tokens moved over all layers
+    uint64_t blocks_stored = 0;
+    uint64_t blocks_already_held = 0;
+  };
+  absl::StatusOr<CacheSaveResult> SaveToCache(const NamespaceRef& ns, const std::string& pool,
+                                              std::span<const uint64_t> layer_tensors,
+                                              std::span<const std::string> keys,
+                                              std::span<const uint64_t> from);
+  // Blocks [first_block, first_block + to.size()) of lease `lease_id`'s hits in member
+  // `pool`, layer `layer`, into blocks `to` of `tensor` (dequantized, copied or transcoded
+  // as LoadBlocks). FAILED_PRECONDITION (LEASE_EXPIRED) when the lease is not held.
+  absl::StatusOr<uint64_t> LoadFromCache(uint64_t tensor, const NamespaceRef& ns,
+                                         uint64_t lease_id, const std::string& pool,
+                                         uint32_t layer, uint64_t first_block,
+                                         std::span<const uint64_t> to);
+  absl::StatusOr<Pending> LoadFromCacheAsync(uint64_t tensor, const NamespaceRef& ns,
+                                             uint64_t lease_id, const std::string& pool,
+                                             uint32_t layer, uint64_t first_block,
+                                             std::span<const uint64_t> to);
+
   absl::StatusOr<PoolMapping> MapPool(const std::string& pool);
   absl::Status UnmapPool(uint64_t export_id);
   // Export ids the daemon revoked so far (their pool was deleted).
