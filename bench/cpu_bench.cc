@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "common/random_rows.h"
+#include "hwy/targets.h"
 #include "kvferry/kernels/cpu_ops.h"
 #include "kvferry/kernels/ops.h"
 
@@ -29,6 +30,7 @@ struct Options {
   int64_t tokens = int64_t{1} << 18;
   int threads = cpu::DefaultThreadCount();
   int reps = 5;
+  std::string target;  // empty: the best instruction set
 };
 
 // Median wall time of `reps` calls of fn, after one untimed call (page faults, tables).
@@ -113,6 +115,19 @@ int Main(int argc, char** argv) {
       o.tokens = std::max<int64_t>(kPageSize, std::atoll(argv[i + 1]));
     if (!std::strcmp(argv[i], "--threads")) o.threads = std::max(1, std::atoi(argv[i + 1]));
     if (!std::strcmp(argv[i], "--reps")) o.reps = std::max(1, std::atoi(argv[i + 1]));
+    if (!std::strcmp(argv[i], "--target")) o.target = argv[i + 1];
+  }
+  // --target AVX2 (etc.): run on that instruction set instead of the best one.
+  if (!o.target.empty()) {
+    int64_t chosen = 0;
+    for (const int64_t t : hwy::SupportedAndGeneratedTargets()) {
+      if (o.target == hwy::TargetName(t)) chosen = t;
+    }
+    if (chosen == 0) {
+      std::fprintf(stderr, "--target %s: not one this CPU and build offer\n", o.target.c_str());
+      return 2;
+    }
+    hwy::SetSupportedTargetsForTest(chosen);
   }
   o.tokens = o.tokens / kPageSize * kPageSize;
   cpu::ThreadPool workers(o.threads);

@@ -1,6 +1,9 @@
 // Push and Pull between daemons: gRPC for the agreement, UCX for the bytes.
 #include "service/transfer_service.h"
 
+#include <sys/stat.h>
+
+
 #include <chrono>
 #include <condition_variable>
 #include <fstream>
@@ -213,28 +216,52 @@ TransferEngine::TransferEngine(PoolManager* pools, UcxWorker* ucx, const Authent
       write_limits_(write_limits),
       options_(std::move(options)),
       observer_(std::move(observer)) {
+  kvferry::MutexLock lock(&mu_);
+  RefreshCredentials();
+}
+
+namespace {
+
+// What tells a file's content changed: device, inode, size and modification time ("" when
+// it cannot be read; a rewrite renamed into place is a new inode).
+std::string FileIdentity(const std::string& path) {
+  struct stat st;
+  if (path.empty() || stat(path.c_str(), &st) != 0) return "";
+  return absl::StrCat(st.st_dev, ":", st.st_ino, ":", st.st_size, ":", st.st_mtim.tv_sec, ".",
+                      st.st_mtim.tv_nsec);
+}
+
+}  // namespace
+
+void TransferEngine::RefreshCredentials() {
   if (options_.tls_ca_file.empty()) {
-    credentials_ = grpc::InsecureChannelCredentials();
+    if (credentials_ == nullptr) credentials_ = grpc::InsecureChannelCredentials();
     return;
   }
+  const std::string files = absl::StrCat(FileIdentity(options_.tls_ca_file), "|",
+                                         FileIdentity(options_.tls_cert_file), "|",
+                                         FileIdentity(options_.tls_key_file));
+  if (credentials_ != nullptr && files == credentials_files_) return;
+  credentials_files_ = files;
   grpc::SslCredentialsOptions ssl;
-  absl::StatusOr<std::string> ca = ReadFile(options_.tls_ca_file, "the peers' CA");
-  if (!ca.ok()) {
-    credentials_status_ = ca.status();
+  const absl::Status read = [&]() -> absl::Status {
+    KVF_ASSIGN_OR_RETURN(ssl.pem_root_certs, ReadFile(options_.tls_ca_file, "the peers' CA"));
+    if (!options_.tls_cert_file.empty() && !options_.tls_key_file.empty()) {
+      KVF_ASSIGN_OR_RETURN(ssl.pem_cert_chain, ReadFile(options_.tls_cert_file, "certificate"));
+      KVF_ASSIGN_OR_RETURN(ssl.pem_private_key, ReadFile(options_.tls_key_file, "key"));
+    }
+    return absl::OkStatus();
+  }();
+  if (!read.ok() && credentials_ != nullptr) {
+    // As for the token file: a rewrite that cannot be read leaves the credentials in force.
+    log::Warn("peer TLS files changed but cannot be read ({}); the earlier ones stay",
+              read.ToString());
     return;
   }
-  ssl.pem_root_certs = *ca;
-  if (!options_.tls_cert_file.empty() && !options_.tls_key_file.empty()) {
-    absl::StatusOr<std::string> cert = ReadFile(options_.tls_cert_file, "certificate");
-    absl::StatusOr<std::string> key = ReadFile(options_.tls_key_file, "key");
-    if (!cert.ok() || !key.ok()) {
-      credentials_status_ = !cert.ok() ? cert.status() : key.status();
-      return;
-    }
-    ssl.pem_cert_chain = *cert;
-    ssl.pem_private_key = *key;
-  }
+  credentials_status_ = read;
+  if (!read.ok()) return;
   credentials_ = grpc::SslCredentials(ssl);
+  channels_.clear();  // new connections use the new credentials; calls in flight keep theirs
 }
 
 absl::Status TransferEngine::CheckUcx() const {
@@ -247,12 +274,13 @@ absl::Status TransferEngine::CheckUcx() const {
 }
 
 absl::StatusOr<std::shared_ptr<grpc::Channel>> TransferEngine::Channel(const std::string& address) {
-  KVF_RETURN_IF_ERROR(credentials_status_);
   if (address.empty()) {
     return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
                  "the peer's address is empty; give host:port of its gRPC listener");
   }
   kvferry::MutexLock lock(&mu_);
+  RefreshCredentials();
+  KVF_RETURN_IF_ERROR(credentials_status_);
   auto it = channels_.find(address);
   if (it == channels_.end()) {
     grpc::ChannelArguments args;

@@ -34,7 +34,8 @@ struct PeerOptions {
   // The bearer token this daemon presents to peers (a file holding it); empty: none.
   std::string token_file;
   // Peers are reached over TLS when set: their certificate must be signed by this CA; the
-  // daemon's own certificate and key (when set) are offered for mutual TLS.
+  // daemon's own certificate and key (when set) are offered for mutual TLS. Like the token
+  // file, these are read again when they change (rotation needs no restart).
   std::string tls_ca_file;
   std::string tls_cert_file;
   std::string tls_key_file;
@@ -101,9 +102,14 @@ class TransferEngine {
   const WriteLimits write_limits_;
   const PeerOptions options_;
   const std::function<void(const PeerTransferRecord&)> observer_;
-  std::shared_ptr<grpc::ChannelCredentials> credentials_;
-  absl::Status credentials_status_;
+  // The peer credentials from the CA, certificate and key files as they are now: read again
+  // (and every channel made anew) when one of the files changed since the last transfer.
+  void RefreshCredentials() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   kvferry::Mutex mu_;
+  std::string credentials_files_ ABSL_GUARDED_BY(mu_);  // their identity when last read
+  std::shared_ptr<grpc::ChannelCredentials> credentials_ ABSL_GUARDED_BY(mu_);
+  absl::Status credentials_status_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -13,6 +13,7 @@
 
 #include "common/random_rows.h"
 #include "daemon_harness.h"
+#include "kvferry/v1/transfer.grpc.pb.h"
 #include "test_certs.h"
 
 namespace kvferry {
@@ -239,6 +240,97 @@ int RunToExit(const std::vector<std::string>& flags, std::string* err) {
   *err = text.str();
   std::system(("rm -rf '" + dir + "'").c_str());
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+// Daemons reach each other like clients: over mutual TLS (--peer_tls_ca, their own
+// certificate offered) with a bearer token (--peer_token_file). Pages pushed that way land
+// byte for byte; a daemon that would reach its peer in plaintext, or with a token the peer
+// does not know, moves nothing.
+TEST(PeerTlsTest, PushBetweenMutualTlsDaemonsWithTokensLandsAndPlaintextOrAWrongTokenIsRefused) {
+  Pki pki;
+  WriteFile(pki.dir + "/tokens", "alice " + Sha256("tok-a") + "\n");
+  WriteFile(pki.dir + "/peer-token", "tok-a\n");
+  WriteFile(pki.dir + "/wrong-token", "tok-x\n");
+  std::vector<std::string> flags = pki.Flags(/*mutual=*/true);
+  flags.push_back("--auth_tokens=" + pki.dir + "/tokens");
+  flags.push_back("--peer_tls_ca=" + pki.dir + "/ca.pem");
+  flags.push_back("--ucx_transports=tcp");
+  std::vector<std::string> a_flags = flags, plain_flags = flags, wrong_flags = flags;
+  a_flags.push_back("--peer_token_file=" + pki.dir + "/peer-token");
+  wrong_flags.push_back("--peer_token_file=" + pki.dir + "/wrong-token");
+  plain_flags.erase(std::remove(plain_flags.begin(), plain_flags.end(),
+                                "--peer_tls_ca=" + pki.dir + "/ca.pem"),
+                    plain_flags.end());
+  plain_flags.push_back("--peer_token_file=" + pki.dir + "/peer-token");
+  Daemon a(a_flags), b(flags), plain(plain_flags), wrong(wrong_flags);
+  for (Daemon* d : {&a, &b, &plain, &wrong}) d->Connect(Tls(pki.ca, &pki.client), "tok-a");
+
+  const auto rows = RandomRows(64, 21);
+  auto source = [&](Daemon& d) {
+    testing::CreatePool(d, "src", Layout::kV41, 64, 2);
+    const auto pages = testing::Allocate(d, "src", 1);
+    std::vector<v1::TokenLocation> where;
+    for (int i = 0; i < 64; ++i) where.push_back(Location(pages[0], i));
+    EXPECT_TRUE(testing::WriteTokens(d, "src", 0, where, rows).ok());
+    return pages;
+  };
+  testing::CreatePool(b, "dst", Layout::kV41, 64, 4);
+  const auto dst = testing::Allocate(b, "dst", 3);
+  auto push = [&](Daemon& from, const std::vector<v1::PageHandle>& pages,
+                  const v1::PageHandle& to, std::string* reason) {
+    auto stub = v1::Transfer::NewStub(from.channel());
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    v1::PushRequest req;
+    req.set_pool("src");
+    *req.add_pages() = pages[0];
+    req.set_to_address("127.0.0.1:" + std::to_string(b.grpc_port()));
+    req.set_to_pool("dst");
+    *req.add_to_pages() = to;
+    v1::TransferPagesResponse resp;
+    const grpc::Status s = stub->Push(&ctx, req, &resp);
+    *reason = ReasonOf(ctx);
+    return s;
+  };
+  std::string reason;
+  const auto a_pages = source(a);
+  const grpc::Status pushed = push(a, a_pages, dst[0], &reason);
+  ASSERT_TRUE(pushed.ok()) << pushed.error_message() << " " << reason;
+  std::string sent, landed;
+  ASSERT_TRUE(testing::ReadPages(a, "src", a_pages, &sent).ok());
+  ASSERT_TRUE(testing::ReadPages(b, "dst", {dst[0]}, &landed).ok());
+  EXPECT_EQ(landed, sent);
+  EXPECT_NE(sent, std::string(sent.size(), '\0'));
+
+  // Plaintext toward a TLS peer, and a token the peer does not know: refused, nothing lands.
+  const std::string zero(sent.size(), '\0');
+  const grpc::Status plaintext = push(plain, source(plain), dst[1], &reason);
+  EXPECT_FALSE(plaintext.ok());
+  EXPECT_EQ(reason, "PEER_UNAVAILABLE") << plaintext.error_message();
+  const grpc::Status refused = push(wrong, source(wrong), dst[2], &reason);
+  EXPECT_FALSE(refused.ok());
+  EXPECT_EQ(reason, "NOT_AUTHENTICATED") << refused.error_message();
+  EXPECT_NE(refused.error_message().find("token"), std::string::npos) << refused.error_message();
+  std::string rest;
+  ASSERT_TRUE(testing::ReadPages(b, "dst", {dst[1], dst[2]}, &rest).ok());
+  EXPECT_EQ(rest, zero + zero);
+
+  // The peer CA file is read again when it changes: a daemon trusting another CA cannot
+  // reach b until the right CA is written in its place; no restart.
+  const KeyAndCert other_ca = MakeCert({"another CA", true});
+  WriteFile(pki.dir + "/rotating-ca.pem", other_ca.CertPem());
+  std::vector<std::string> rotating_flags = plain_flags;
+  rotating_flags.push_back("--peer_tls_ca=" + pki.dir + "/rotating-ca.pem");
+  Daemon rotating(rotating_flags);
+  rotating.Connect(Tls(pki.ca, &pki.client), "tok-a");
+  const auto rotating_pages = source(rotating);
+  EXPECT_FALSE(push(rotating, rotating_pages, dst[1], &reason).ok());
+  EXPECT_EQ(reason, "PEER_UNAVAILABLE");
+  WriteFile(pki.dir + "/rotating-ca.pem", pki.ca.CertPem());
+  const grpc::Status rotated = push(rotating, rotating_pages, dst[1], &reason);
+  ASSERT_TRUE(rotated.ok()) << rotated.error_message() << " " << reason;
+  ASSERT_TRUE(testing::ReadPages(b, "dst", {dst[1]}, &landed).ok());
+  EXPECT_EQ(landed, sent);
 }
 
 TEST(PlaintextTest, RemotePlaintextIsRefusedWithAReasonUnlessExplicitlyAllowed) {
