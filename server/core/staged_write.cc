@@ -251,23 +251,38 @@ absl::StatusOr<Buffer> StagedWrite::StageOnDevice(std::span<const int64_t> indic
 absl::StatusOr<int64_t> StagedWrite::CommitRows() {
   const int64_t n = static_cast<int64_t>(tokens_.size());
   if (n == 0) return 0;
-  // Device staging: [rows | token indices].
-  int64_t locs_at = 0;
-  KVF_ASSIGN_OR_RETURN(Buffer staging, StageOnDevice(tokens_, &locs_at));
+  const PoolGeometry g = pool_->geometry();
+  QuantizeStoreParams store;
+  store.geometry = g;
+  store.pool = pool_->base() + static_cast<int64_t>(layer_) * g.pool_bytes();
+  store.rows_checked_finite = true;  // AddRows refused any row holding NaN or Inf
+  std::vector<Op> ops;
+  Buffer staging;
+  if (pool_->backend().host_memory()) {
+    // The backend reads host memory: each chunk of the arena (whole rows) is stored from
+    // where it was staged, with no copy of the rows.
+    int64_t row = 0;
+    for (const std::span<uint8_t> piece : arena_.Pieces(0, arena_.size())) {
+      store.rows = reinterpret_cast<const uint16_t*>(piece.data());
+      store.locs = tokens_.data() + row;
+      store.num_tokens = static_cast<int64_t>(piece.size()) / kBf16RowBytes;
+      row += store.num_tokens;
+      ops.push_back(store);
+    }
+  } else {
+    // Device staging: [rows | token indices].
+    int64_t locs_at = 0;
+    KVF_ASSIGN_OR_RETURN(staging, StageOnDevice(tokens_, &locs_at));
+    store.rows = staging.get<uint16_t>();
+    store.locs = reinterpret_cast<const int64_t*>(staging.get() + locs_at);
+    store.num_tokens = n;
+    ops.push_back(store);
+  }
 
   std::vector<PageHandle> handles;
   for (const auto& [page, generation] : generations_) handles.push_back({page, generation});
   KVF_ASSIGN_OR_RETURN(const PageTable::Pin pin, pool_->table().PinPages(handles, true));
-  const PoolGeometry g = pool_->geometry();
-  QuantizeStoreParams store;
-  store.geometry = g;
-  store.rows = staging.get<uint16_t>();
-  store.locs = reinterpret_cast<const int64_t*>(staging.get() + locs_at);
-  store.num_tokens = n;
-  store.pool = pool_->base() + static_cast<int64_t>(layer_) * g.pool_bytes();
-  store.rows_checked_finite = true;  // AddRows refused any row holding NaN or Inf
-  const Op op = store;
-  const absl::Status stored = pool_->RunTimed("quantize_store", std::span<const Op>(&op, 1));
+  const absl::Status stored = pool_->RunTimed("quantize_store", ops);
   pool_->Unpin(pin, stored.ok() ? layer_ : -1, stored.ok() ? std::span<const int64_t>(tokens_)
                                                            : std::span<const int64_t>());
   KVF_RETURN_IF_ERROR(stored);

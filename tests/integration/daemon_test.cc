@@ -412,6 +412,29 @@ TEST(DaemonConcurrencyTest, SixteenClientsWriteAndReadDisjointPages) {
   EXPECT_EQ(testing::GetStats(d).tokens_held(), 16u * 200u);
 }
 
+TEST(DaemonLargeWriteTest, AWriteOverSeveralStagingChunksStoresTheReferenceBytes) {
+  // 10000 rows (9.8 MiB): more than two 4 MiB staging chunks, scattered over 200 pages, so
+  // the commit stores chunk by chunk (from the staging itself on the cpu backend).
+  Daemon d;
+  const int ps = 64, num_pages = 200, n = 10000;
+  testing::CreatePool(d, "big", Layout::kV41Fp4, ps, num_pages);
+  const auto pages = testing::Allocate(d, "big", num_pages);
+  const auto rows = testing::RandomRows(n, 77);
+  const auto locs = testing::ScatteredLocations(n, int64_t{num_pages} * ps, 78);
+  std::vector<v1::TokenLocation> where;
+  for (int64_t loc : locs) where.push_back(Location(pages[loc / ps], loc % ps));
+  ASSERT_TRUE(testing::WriteTokens(d, "big", 0, where, rows, 1000).ok());
+  // Expected: the CPU reference on a pool whose page i is the daemon's pages[i].
+  const PoolGeometry g{Layout::kV41Fp4, ps, num_pages};
+  std::vector<uint8_t> expected(g.pool_bytes(), 0);
+  ASSERT_TRUE(reference::QuantizeStore(g, rows, locs, expected).ok());
+  std::string bytes;
+  ASSERT_TRUE(testing::ReadPages(d, "big", pages, &bytes).ok());
+  ASSERT_EQ(bytes.size(), expected.size());
+  EXPECT_TRUE(std::equal(expected.begin(), expected.end(),
+                         reinterpret_cast<const uint8_t*>(bytes.data())));
+}
+
 // ---- metrics -----------------------------------------------------------------------------
 
 std::string Fetch(int port, const std::string& path) {
