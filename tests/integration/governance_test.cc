@@ -459,23 +459,32 @@ TEST(StreamBudgetTest, OneConnectionHoldsAtMostItsStreamsWhileAnotherConnectionI
   EXPECT_EQ(testing::GetStats(d).tokens_held(), 1u);
 }
 
+// A session stream that said `open` and got its `opened` event.
+struct OpenedSession {
+  grpc::ClientContext ctx;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionEvent>> stream;
+  bool opened = false;
+};
+std::unique_ptr<OpenedSession> OpenSession(Daemon& d, const std::string& worker) {
+  auto s = std::make_unique<OpenedSession>();
+  s->stream = v1::KvSession::NewStub(d.channel())->OpenSession(&s->ctx);
+  v1::SessionRequest open;
+  open.mutable_open()->set_worker(worker);
+  v1::SessionEvent event;
+  s->opened = s->stream->Write(open) && s->stream->Read(&event) && event.has_opened();
+  return s;
+}
+
 TEST(SessionStreamTest, ASessionHoldsAStreamIsIdleBoundUntilOpenAndLongLivedOnceOpen) {
   Daemon d({"--max_streams=2", "--stream_idle_timeout_seconds=1", "--max_stream_seconds=2"});
   testing::CreatePool(d, "p", Layout::kV4, 64, 8);
   const auto pages = testing::Allocate(d, "p", 1);
-  auto sessions = v1::KvSession::NewStub(d.channel());
   // An opened session, then a stream that never says `open`.
-  grpc::ClientContext open_ctx;
-  auto session = sessions->OpenSession(&open_ctx);
-  v1::SessionRequest open;
-  open.mutable_open()->set_worker("governance");
-  ASSERT_TRUE(session->Write(open));
-  v1::SessionEvent opened;
-  ASSERT_TRUE(session->Read(&opened));
-  ASSERT_TRUE(opened.has_opened());
+  const auto session = OpenSession(d, "governance");
+  ASSERT_TRUE(session->opened);
   grpc::ClientContext mute_ctx;
   const auto start = Clock::now();
-  auto mute = sessions->OpenSession(&mute_ctx);
+  auto mute = v1::KvSession::NewStub(d.channel())->OpenSession(&mute_ctx);
   ASSERT_TRUE(Eventually([&] { return Used(d, "streams") == 2; }));
   // Both count against the streams budget.
   std::string reason;
@@ -495,8 +504,8 @@ TEST(SessionStreamTest, ASessionHoldsAStreamIsIdleBoundUntilOpenAndLongLivedOnce
   std::this_thread::sleep_for(std::chrono::seconds(4));
   EXPECT_EQ(Sample(Metrics(d), "kvferry_sessions"), 1);
   EXPECT_EQ(Used(d, "streams"), 1);
-  session->WritesDone();
-  EXPECT_TRUE(session->Finish().ok());
+  session->stream->WritesDone();
+  EXPECT_TRUE(session->stream->Finish().ok());
   EXPECT_TRUE(Eventually([&] { return Used(d, "streams") == 0; }));
 }
 
@@ -517,14 +526,8 @@ TEST(SubscriptionStreamTest, ASubscriptionOutlivesTheLongestDurationAndShutdownE
   const auto start = Clock::now();
   while (SecondsSince(start) < 4) ASSERT_TRUE(events->Read(&batch)) << SecondsSince(start);
   // A session is open too, and neither reads nor writes.
-  auto sessions = v1::KvSession::NewStub(d.channel());
-  grpc::ClientContext open_ctx;
-  auto session = sessions->OpenSession(&open_ctx);
-  v1::SessionRequest open;
-  open.mutable_open()->set_worker("quiet");
-  ASSERT_TRUE(session->Write(open));
-  v1::SessionEvent opened;
-  ASSERT_TRUE(session->Read(&opened));
+  const auto session = OpenSession(d, "quiet");
+  ASSERT_TRUE(session->opened);
   const auto stop = Clock::now();
   EXPECT_EQ(d.Terminate(), 0);
   const double seconds = SecondsSince(stop);

@@ -77,15 +77,20 @@ void ForEachPageLayer(const PageCopyGeometry& g, std::span<const int64_t> pages,
           });
 }
 
+// The checks both stores make before reading a row: geometry, pool size, rows per location.
+absl::Status ValidateStore(const PoolGeometry& geometry, std::span<const uint16_t> rows,
+                           std::span<const int64_t> locs, std::span<uint8_t> pool) {
+  KVF_RETURN_IF_ERROR(ValidateGeometry(geometry));
+  KVF_RETURN_IF_ERROR(ValidateSpanBytes(pool.size(), geometry.pool_bytes(), "pool"));
+  return ValidateRowShape(static_cast<int64_t>(rows.size()), static_cast<int64_t>(locs.size()));
+}
+
 }  // namespace
 
 absl::Status QuantizeStore(const PoolGeometry& geometry, std::span<const uint16_t> rows,
                            std::span<const int64_t> locs, std::span<uint8_t> pool,
                            ThreadPool* workers) {
-  KVF_RETURN_IF_ERROR(ValidateGeometry(geometry));
-  KVF_RETURN_IF_ERROR(ValidateSpanBytes(pool.size(), geometry.pool_bytes(), "pool"));
-  KVF_RETURN_IF_ERROR(
-      ValidateRowShape(static_cast<int64_t>(rows.size()), static_cast<int64_t>(locs.size())));
+  KVF_RETURN_IF_ERROR(ValidateStore(geometry, rows, locs, pool));
   // Pass 1 reads every row once for both the finite check and the tile scales, so the
   // check costs no pass of its own; pass 2 codes the rows under those scales.
   const int64_t n = static_cast<int64_t>(locs.size());
@@ -114,10 +119,7 @@ absl::Status QuantizeStoreCheckedRows(const PoolGeometry& geometry,
                                       std::span<const uint16_t> rows,
                                       std::span<const int64_t> locs, std::span<uint8_t> pool,
                                       ThreadPool* workers) {
-  KVF_RETURN_IF_ERROR(ValidateGeometry(geometry));
-  KVF_RETURN_IF_ERROR(ValidateSpanBytes(pool.size(), geometry.pool_bytes(), "pool"));
-  KVF_RETURN_IF_ERROR(
-      ValidateRowShape(static_cast<int64_t>(rows.size()), static_cast<int64_t>(locs.size())));
+  KVF_RETURN_IF_ERROR(ValidateStore(geometry, rows, locs, pool));
   KVF_RETURN_IF_ERROR(CheckLocations(locs, geometry.num_tokens(), /*unique=*/true));
   const int64_t n = static_cast<int64_t>(locs.size());
   const bool stream = n * GetLayoutInfo(geometry.layout).bytes_per_token() >= kStreamingBytes;
