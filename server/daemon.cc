@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "backend/backend.h"
 #include "common/log.h"
 #include "service/metrics_interceptor.h"
@@ -56,6 +57,11 @@ class MemoryTrimmer {
 };
 
 absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
+  // absl::Mutex's deadlock detection (on in Debian's Abseil) records every lock order in one
+  // global graph under a global lock, on every lock of every thread: a few percent of a
+  // write-heavy run. kvferry's lock annotations are checked by clang's -Wthread-safety, and
+  // its locking by ThreadSanitizer, in the test command instead.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   std::unique_ptr<Daemon> d(new Daemon());
   Daemon* raw = d.get();
   // Budgets: defaults from the host's memory, refusals counted by the metrics.
