@@ -450,6 +450,33 @@ TEST(CoreFaultTest, EveryAllocationCopyAndOpFailureOfAWriteLeavesThePoolAsItWas)
 
 const std::shared_ptr<TenantAccount> kTenant = std::make_shared<TenantAccount>("");
 
+TEST(CpuBackendTest, FreedStagingIsReusedStaysCountedAndGoesFirstWhenTheCapWouldRefuse) {
+  // A 32 MiB cap; pools (zero-filled device memory) may take all but an eighth, 28 MiB.
+  const uint64_t cap = uint64_t{32} << 20;
+  auto backend = MakeCpuBackend(1, cap);
+  void* first = nullptr;
+  {
+    auto staging = backend->Allocate(4 << 20, MemoryKind::kHostStaging, false);
+    ASSERT_TRUE(staging.ok());
+    first = staging->get();
+  }
+  // Kept as a spare: still counted, and the next staging of that size gets it back.
+  EXPECT_EQ(*backend->FreeBytes(), cap - cap / 8 - (4 << 20));
+  {
+    auto again = backend->Allocate(4 << 20, MemoryKind::kHostStaging, true);
+    ASSERT_TRUE(again.ok());
+    EXPECT_EQ(again->get(), first);
+    EXPECT_TRUE(std::all_of(again->get(), again->get() + (4 << 20), [](uint8_t b) { return b == 0; }));
+  }
+  // A pool that fits only without the spare: the spare is dropped, the pool allocated.
+  auto pool = backend->Allocate(26 << 20, MemoryKind::kDevice, true);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  EXPECT_EQ(*backend->FreeBytes(), cap - cap / 8 - (26 << 20));
+  // Beyond the cap still refused.
+  EXPECT_EQ(backend->Allocate(8 << 20, MemoryKind::kHostStaging, false).status().code(),
+            absl::StatusCode::kResourceExhausted);
+}
+
 TEST(PoolManagerTest, NamesIncarnationsTotalsAndDeletion) {
   PoolManager manager(PoolManagerOptions{"cpu", nullptr, {}, nullptr});
   PoolConfig config{"a", Layout::kV4, 16, 4, 1};
