@@ -331,6 +331,12 @@ TEST(PeerTlsTest, PushBetweenMutualTlsDaemonsWithTokensLandsAndPlaintextOrAWrong
   ASSERT_TRUE(rotated.ok()) << rotated.error_message() << " " << reason;
   ASSERT_TRUE(testing::ReadPages(b, "dst", {dst[1]}, &landed).ok());
   EXPECT_EQ(landed, sent);
+  // A CA file that can no longer be read leaves the one in force: the next push still lands.
+  ASSERT_EQ(std::remove((pki.dir + "/rotating-ca.pem").c_str()), 0);
+  const grpc::Status kept = push(rotating, rotating_pages, dst[2], &reason);
+  ASSERT_TRUE(kept.ok()) << kept.error_message() << " " << reason;
+  ASSERT_TRUE(testing::ReadPages(b, "dst", {dst[2]}, &landed).ok());
+  EXPECT_EQ(landed, sent);
 }
 
 TEST(PlaintextTest, RemotePlaintextIsRefusedWithAReasonUnlessExplicitlyAllowed) {

@@ -77,6 +77,74 @@ TEST(SessionArgsTest, EveryBadRequestIsRefusedWithItsReason) {
     uneven.add_source_blocks(0);
     uneven.mutable_destination_page_list()->add_page_ids((*pages)[0].page_id);
     refused(uneven, "1 page ids and 0 generations");
+
+    // By key (the KV cache through the session): mixed or malformed requests are refused
+    // with their reason before anything moves, and nothing is stored.
+    client::NamespaceInfo ns = *client::Client::Connect(Options(d)).value()->CreateNamespace(
+        {.name = "ns", .model_fingerprint = "m", .block_tokens = 16, .pools = {"s"}});
+    auto call = [&](auto method, const auto& req, std::string* reason) {
+      grpc::ClientContext ctx;
+      v1::TransferResponse resp;
+      const grpc::Status st = ((*stub).*method)(&ctx, req, &resp);
+      *reason = testing::ReasonOf(ctx);
+      return st;
+    };
+    std::string why;
+    v1::SaveRequest by_key;
+    by_key.set_session_id(s.id());
+    by_key.set_pool("s");
+    by_key.add_source_blocks(0);
+    by_key.add_layer_tensor_ids(12345);
+    by_key.mutable_cache()->set_namespace_("ns");
+    by_key.mutable_cache()->set_digest(ns.digest);
+    by_key.mutable_cache()->add_keys("k0");
+    v1::SaveRequest async_by_key = by_key;
+    async_by_key.mutable_completion()->set_slot(0);
+    EXPECT_EQ(call(&v1::KvSession::Stub::Save, async_by_key, &why).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_EQ(why, "INVALID_REQUEST");
+    v1::SaveRequest pages_and_keys = by_key;
+    *pages_and_keys.add_destination_pages() = v1::PageHandle();
+    EXPECT_EQ(call(&v1::KvSession::Stub::Save, pages_and_keys, &why).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+    v1::SaveRequest layers_without_keys = by_key;
+    layers_without_keys.clear_cache();
+    EXPECT_EQ(call(&v1::KvSession::Stub::Save, layers_without_keys, &why).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_EQ(why, "INVALID_REQUEST");
+    v1::SaveRequest more_keys = by_key;
+    more_keys.mutable_cache()->add_keys("k1");
+    EXPECT_EQ(call(&v1::KvSession::Stub::Save, more_keys, &why).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+    v1::SaveRequest wrong_digest = by_key;
+    wrong_digest.mutable_cache()->set_digest(ns.digest ^ 1);
+    EXPECT_EQ(call(&v1::KvSession::Stub::Save, wrong_digest, &why).error_code(),
+              grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_EQ(why, "NAMESPACE_MISMATCH");
+    // A well-formed save naming a tensor the session does not have: its page is freed again.
+    const uint64_t used = PagesUsed(d);
+    EXPECT_EQ(call(&v1::KvSession::Stub::Save, by_key, &why).error_code(),
+              grpc::StatusCode::NOT_FOUND);
+    EXPECT_EQ(why, "TENSOR_NOT_FOUND");
+    EXPECT_EQ(PagesUsed(d), used);
+    // Loads by key: a lease nobody holds, and pages beside the lease.
+    v1::LoadRequest load;
+    load.set_session_id(s.id());
+    load.set_tensor_id(12345);
+    load.set_pool("s");
+    load.add_destination_blocks(0);
+    load.mutable_cache()->set_namespace_("ns");
+    load.mutable_cache()->set_digest(ns.digest);
+    load.mutable_cache()->set_lease_id(777);
+    EXPECT_EQ(call(&v1::KvSession::Stub::Load, load, &why).error_code(),
+              grpc::StatusCode::FAILED_PRECONDITION);
+    EXPECT_EQ(why, "LEASE_EXPIRED");
+    v1::LoadRequest load_and_pages = load;
+    load_and_pages.mutable_source_page_list()->add_page_ids(0);
+    load_and_pages.mutable_source_page_list()->add_generations(0);
+    EXPECT_EQ(call(&v1::KvSession::Stub::Load, load_and_pages, &why).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_EQ(why, "INVALID_REQUEST");
   }
   // A session id nobody opened.
   client::ClientOptions o = Options(d);
