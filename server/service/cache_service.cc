@@ -113,14 +113,9 @@ grpc::Status KvCacheService::Handle(ServerContext* context, Body&& body) const {
 
 template <typename Body>
 grpc::Status KvCacheService::HandleStream(ServerContext* context, Body&& body) const {
-  return Handle(context, [&](const Tenant& tenant) -> absl::Status {
-    KVF_ASSIGN_OR_RETURN(const ScopedCharge stream,
-                         ScopedCharge::Take(tenant, Resource::kStreams, 1));
-    const std::unique_ptr<StreamWatchdog::Watch> watch = watchdog_->Start(context);
-    const absl::Status status = body(tenant, *watch);
-    // Cancelled by the watchdog (or the daemon stopping): say why.
-    if (absl::Status expired = watch->Expired(); !expired.ok()) return expired;
-    return status;
+  return Handle(context, [&](const Tenant& tenant) {
+    return RunStream(*watchdog_, context, tenant,
+                     [&](Watch& watch) { return body(tenant, watch); });
   });
 }
 

@@ -99,14 +99,9 @@ grpc::Status KvFerryService::Handle(ServerContext* context, Body&& body) const {
 
 template <typename Body>
 grpc::Status KvFerryService::HandleStream(ServerContext* context, Body&& body) const {
-  return Handle(context, [&](const Tenant& tenant) -> absl::Status {
-    KVF_ASSIGN_OR_RETURN(const ScopedCharge stream,
-                         ScopedCharge::Take(tenant, Resource::kStreams, 1));
-    const std::unique_ptr<StreamWatchdog::Watch> watch = watchdog_->Start(context);
-    const absl::Status status = body(tenant, *watch);
-    // Cancelled by the watchdog: say why (the metrics and the log see it).
-    if (absl::Status expired = watch->Expired(); !expired.ok()) return expired;
-    return status;
+  return Handle(context, [&](const Tenant& tenant) {
+    return RunStream(*watchdog_, context, tenant,
+                     [&](StreamWatchdog::Watch& watch) { return body(tenant, watch); });
   });
 }
 

@@ -11,6 +11,7 @@
 #include "kvferry/kernels/status_macros.h"
 #include "service/convert.h"
 #include "service/status.h"
+#include "service/streams.h"
 
 namespace kvferry::server {
 namespace {
@@ -96,32 +97,35 @@ grpc::Status SessionService::OpenSession(
     grpc::ServerReaderWriter<v1::SessionEvent, v1::SessionRequest>* stream) {
   absl::StatusOr<std::shared_ptr<TenantAccount>> owner = auth_->Authenticate(*context);
   if (!owner.ok()) return ToGrpcStatus(context, owner.status());
-  absl::StatusOr<ScopedCharge> slot = ScopedCharge::Take(*owner, Resource::kStreams, 1);
-  if (!slot.ok()) return ToGrpcStatus(context, slot.status());
-  const std::unique_ptr<StreamWatchdog::Watch> watch = watchdog_->Start(context);
-  v1::SessionRequest first;
-  if (!stream->Read(&first)) {
-    const absl::Status expired = watch->Expired();
-    return expired.ok() ? grpc::Status::CANCELLED : ToGrpcStatus(context, expired);
-  }
-  if (!first.has_open()) {
-    return ToGrpcStatus(context, Error(absl::StatusCode::kInvalidArgument,
-                                       ErrorReason::kInvalidRequest,
-                                       "the first message of a session must be `open`"));
-  }
-  absl::StatusOr<SessionManager::Opened> opened =
-      sessions_->Open(*owner, first.open().worker(), first.open().device(),
-                      first.open().completion_slots());
-  if (!opened.ok()) return ToGrpcStatus(context, opened.status());
-  // Open: the session lives as long as its worker, however quiet.
-  watch->LongLived(/*idle_checked=*/false);
-  const uint64_t id = opened->session_id;
-  log::Info("session opened id={} worker={} device=cuda:{}", id,
-            log::Quoted(first.open().worker()), first.open().device());
+  const absl::Status status =
+      RunStream(*watchdog_, context, *owner, [&](StreamWatchdog::Watch& watch) -> absl::Status {
+        v1::SessionRequest first;
+        if (!stream->Read(&first)) return ClientGone(context);
+        if (!first.has_open()) {
+          return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                       "the first message of a session must be `open`");
+        }
+        KVF_ASSIGN_OR_RETURN(const SessionManager::Opened opened,
+                             sessions_->Open(*owner, first.open().worker(), first.open().device(),
+                                             first.open().completion_slots()));
+        // Open: the session lives as long as its worker, however quiet.
+        watch.LongLived(/*idle_checked=*/false);
+        Serve(opened, first.open(), context, stream);
+        return absl::OkStatus();
+      });
+  return ToGrpcStatus(context, status);
+}
+
+void SessionService::Serve(const SessionManager::Opened& opened, const v1::SessionOpen& open,
+                           grpc::ServerContext* context,
+                           grpc::ServerReaderWriter<v1::SessionEvent, v1::SessionRequest>* stream) {
+  const uint64_t id = opened.session_id;
+  log::Info("session opened id={} worker={} device=cuda:{}", id, log::Quoted(open.worker()),
+            open.device());
   v1::SessionEvent event;
   event.mutable_opened()->set_session_id(id);
-  event.mutable_opened()->set_completion_shm(opened->completion_shm);
-  event.mutable_opened()->set_completion_slots(opened->completion_slots);
+  event.mutable_opened()->set_completion_shm(opened.completion_shm);
+  event.mutable_opened()->set_completion_slots(opened.completion_slots);
   stream->Write(event);
   // Revocations go out on a writer thread; this thread reads until the worker goes away.
   std::thread writer([&] {
@@ -139,8 +143,6 @@ grpc::Status SessionService::OpenSession(
   sessions_->Close(id);
   writer.join();
   log::Info("session closed id={}{}", id, context->IsCancelled() ? " (worker gone)" : "");
-  if (absl::Status expired = watch->Expired(); !expired.ok()) return ToGrpcStatus(context, expired);
-  return grpc::Status::OK;
 }
 
 grpc::Status SessionService::RegisterKv(grpc::ServerContext* context,

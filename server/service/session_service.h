@@ -38,6 +38,11 @@ class SessionService final : public kvferry::v1::KvSession::Service {
   // Authenticates, runs `body(tenant)`, maps its status once.
   template <typename Body>
   grpc::Status Handle(grpc::ServerContext* context, Body&& body) const;
+  // An opened session's life on its stream: the `opened` event, revocations, until the
+  // worker closes or goes away; then the session is closed.
+  void Serve(const SessionManager::Opened& opened, const v1::SessionOpen& open,
+             grpc::ServerContext* context,
+             grpc::ServerReaderWriter<v1::SessionEvent, v1::SessionRequest>* stream);
 
   SessionManager* const sessions_;
   BlockIndex* const cache_;

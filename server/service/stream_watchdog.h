@@ -29,6 +29,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "common/errors.h"
+#include "core/tenant.h"
 #include "kvferry/mutex.h"
 
 namespace kvferry::server {
@@ -93,6 +94,20 @@ class StreamWatchdog::Watch {
   std::atomic<bool> long_lived_{false};
   std::atomic<bool> idle_checked_{true};
 };
+
+// A streaming call's body under the stream rules every service shares: it holds one of
+// `tenant`'s streams (RESOURCE_EXHAUSTED when none is left) and runs `body(watch)` watched
+// by `watchdog`; a stream the watchdog ended answers with the watchdog's reason.
+template <typename Body>
+absl::Status RunStream(StreamWatchdog& watchdog, grpc::ServerContext* context,
+                       const std::shared_ptr<TenantAccount>& tenant, Body&& body) {
+  absl::StatusOr<ScopedCharge> slot = ScopedCharge::Take(tenant, Resource::kStreams, 1);
+  if (!slot.ok()) return slot.status();
+  const std::unique_ptr<StreamWatchdog::Watch> watch = watchdog.Start(context);
+  const absl::Status status = body(*watch);
+  if (absl::Status expired = watch->Expired(); !expired.ok()) return expired;
+  return status;
+}
 
 // A watchdog for a service: null when `options.watchdog` (ServiceOptions) names the
 // daemon's shared one, else a new one from its limits.

@@ -641,11 +641,10 @@ grpc::Status PeerService::Exchange(
     grpc::ServerReaderWriter<v1::PeerMessage, v1::PeerMessage>* stream) {
   absl::StatusOr<std::shared_ptr<TenantAccount>> tenant = engine_->auth()->Authenticate(*context);
   if (!tenant.ok()) return ToGrpcStatus(context, tenant.status());
-  absl::StatusOr<ScopedCharge> slot = ScopedCharge::Take(*tenant, Resource::kStreams, 1);
-  if (!slot.ok()) return ToGrpcStatus(context, slot.status());
-  const std::unique_ptr<StreamWatchdog::Watch> watch = watchdog_->Start(context);
-  const absl::Status status = engine_->Serve(**tenant, *context, stream, [&] { watch->Touch(); });
-  if (absl::Status expired = watch->Expired(); !expired.ok()) return ToGrpcStatus(context, expired);
+  const absl::Status status =
+      RunStream(*watchdog_, context, *tenant, [&](StreamWatchdog::Watch& watch) {
+        return engine_->Serve(**tenant, *context, stream, [&] { watch.Touch(); });
+      });
   return ToGrpcStatus(context, status);
 }
 
