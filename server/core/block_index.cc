@@ -728,17 +728,21 @@ absl::Status BlockIndex::Commit(const PutTarget& t, std::span<const std::string>
   return absl::OkStatus();
 }
 
-void BlockIndex::Abort(const PutTarget& t, std::span<const std::string> keys) {
-  CacheNamespace& ns = *t.ns;
-  kvferry::MutexLock lock(&mu_);
-  for (const std::string& key : keys) {
-    auto it = ns.entries.find(key);
-    if (it == ns.entries.end()) continue;
-    const CacheBlock& b = it->second[t.member];
-    if (b.state == State::kPending && b.writer == t.writer) {
-      RemoveLocked(ns, t.member, key, BlockEvent::Cause::kNone);
+void BlockIndex::Abort(const PutTarget& t, std::span<const std::string> keys,
+                       std::span<const PageHandle> pages) {
+  {
+    CacheNamespace& ns = *t.ns;
+    kvferry::MutexLock lock(&mu_);
+    for (const std::string& key : keys) {
+      auto it = ns.entries.find(key);
+      if (it == ns.entries.end()) continue;
+      const CacheBlock& b = it->second[t.member];
+      if (b.state == State::kPending && b.writer == t.writer) {
+        RemoveLocked(ns, t.member, key, BlockEvent::Cause::kNone);
+      }
     }
   }
+  if (!pages.empty()) t.pool->FreePages(pages).IgnoreError();
 }
 
 }  // namespace kvferry::server

@@ -202,11 +202,13 @@ class BlockIndex {
   absl::StatusOr<std::optional<PageHandle>> Reserve(const PutTarget& target, const std::string& key)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Stores the target's pending blocks of `keys` in `pages` (as Reserve gave them), all or none (ABORTED when the namespace or
-  // pool went away: the caller still owns and frees the pages).
+  // pool went away: the caller still owns the pages, and Aborts).
   absl::Status Commit(const PutTarget& target, std::span<const std::string> keys,
                       std::span<const PageHandle> pages) ABSL_LOCKS_EXCLUDED(mu_);
-  // Forgets the target's pending blocks of `keys` (the caller frees their pages).
-  void Abort(const PutTarget& target, std::span<const std::string> keys) ABSL_LOCKS_EXCLUDED(mu_);
+  // Forgets the target's pending blocks of `keys` and frees their `pages` (zeroed before
+  // anyone gets them again; no lookup ever saw them). Also after a refused Commit.
+  void Abort(const PutTarget& target, std::span<const std::string> keys,
+             std::span<const PageHandle> pages) ABSL_LOCKS_EXCLUDED(mu_);
 
   absl::Status ValidateKey(absl::string_view key, size_t index) const;
 

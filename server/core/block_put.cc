@@ -34,9 +34,7 @@ BlockPut::~BlockPut() {
 
 void BlockPut::Drop() {
   done_ = true;
-  index_->Abort(target_, reserved_);
-  // The pages were never visible: freeing zeroes them before anyone gets them again.
-  if (!pages_.empty()) target_.pool->FreePages(pages_).IgnoreError();
+  index_->Abort(target_, reserved_, pages_);
   reserved_.clear();
   pages_.clear();
 }

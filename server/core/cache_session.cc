@@ -44,16 +44,11 @@ absl::StatusOr<CacheSaveResult> SaveToCache(SessionManager& sessions, BlockIndex
   std::vector<std::string> reserved;
   std::vector<PageHandle> pages;
   std::vector<uint64_t> blocks;
-  auto drop = [&] {
-    index.Abort(target, reserved);
-    // Never visible: freeing zeroes the pages before anyone gets them again.
-    if (!pages.empty()) target.pool->FreePages(pages).IgnoreError();
-  };
   CacheSaveResult result;
   for (size_t i = 0; i < r.keys.size(); ++i) {
     absl::StatusOr<std::optional<PageHandle>> page = index.Reserve(target, r.keys[i]);
     if (!page.ok()) {
-      drop();
+      index.Abort(target, reserved, pages);
       return page.status();
     }
     if (!page->has_value()) {
@@ -78,14 +73,13 @@ absl::StatusOr<CacheSaveResult> SaveToCache(SessionManager& sessions, BlockIndex
     t.pages = pages;
     absl::StatusOr<int64_t> moved = sessions.Save(t);
     if (!moved.ok()) {
-      drop();
+      index.Abort(target, reserved, pages);
       return moved.status();
     }
     result.tokens += *moved;
   }
   if (absl::Status s = index.Commit(target, reserved, pages); !s.ok()) {
-    // Commit refused (namespace or pool gone): the pages are still ours to free.
-    target.pool->FreePages(pages).IgnoreError();
+    index.Abort(target, reserved, pages);  // namespace or pool gone: the pages are still ours
     return s;
   }
   result.stored = static_cast<int64_t>(reserved.size());
