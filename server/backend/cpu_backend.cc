@@ -129,8 +129,7 @@ class CpuBackend final : public Backend {
   }
 
   absl::StatusOr<Buffer> Allocate(size_t bytes, MemoryKind kind, bool zero) override {
-    // 64-byte alignment: the ops' vector paths and the 16-byte rule of the CUDA launchers.
-    const size_t rounded = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
+    const size_t rounded = Rounded(bytes);
     if (limit_ > 0) {
       // Pools (zero-filled) leave an eighth of the cap to requests in flight.
       const uint64_t cap = zero && kind == MemoryKind::kDevice ? pool_limit_ : limit_;
@@ -181,7 +180,7 @@ class CpuBackend final : public Backend {
 
  protected:
   void Release(MemoryKind kind, void* ptr, size_t bytes) override {
-    const size_t rounded = (std::max<size_t>(bytes, 1) + 63) / 64 * 64;
+    const size_t rounded = Rounded(bytes);
     if (kind == MemoryKind::kHostStaging && KeepSpare(ptr, rounded)) return;  // still counted
     std::free(ptr);
     held_ -= rounded;
@@ -190,6 +189,10 @@ class CpuBackend final : public Backend {
  private:
   const std::string device_ = "cpu";
   cpu::ThreadPool workers_;
+  // What an allocation of `bytes` takes and is counted as: 64-byte multiples (the ops'
+  // vector paths and the 16-byte rule of the CUDA launchers want the alignment).
+  static size_t Rounded(size_t bytes) { return (std::max<size_t>(bytes, 1) + 63) / 64 * 64; }
+
   // Freed host staging (write staging chunks, read buffers) is kept for the next request
   // of the same size, up to kSpareBytes in all: a fresh multi-MiB allocation page-faults
   // on every write, which cost 8 % of a write-heavy run's cycles. Spares stay counted in
