@@ -13,6 +13,7 @@
 
 #include "common/random_rows.h"
 #include "daemon_harness.h"
+#include "metrics_scrape.h"
 #include "kvferry/v1/transfer.grpc.pb.h"
 #include "test_certs.h"
 
@@ -730,6 +731,11 @@ TEST(QuotaTest, StreamsAndStagedWriteBytesRunOutAndComeBack) {
   v1::WriteResponse open_resp;
   auto open = d.stub().WriteTokens(&open_ctx, &open_resp);
   ASSERT_TRUE(open->Write(FirstRow("p", locs[0], rows.data())));
+  // Reads start once the write's handler holds the stream: a read polled before it would
+  // take the one stream first and the write would be the call refused.
+  ASSERT_TRUE(Eventually([&] {
+    return testing::Sample(testing::Metrics(d), "kvferry_budget_used{resource=\"streams\"}") == 1;
+  }));
   std::string bytes;
   grpc::Status refused;
   EXPECT_TRUE(Eventually([&] {
