@@ -129,6 +129,52 @@ TEST_P(CpuExhaustiveTest, EveryFiniteBf16UnderEveryScaleQuantizesAsTheReference)
   });
 }
 
+// Every finite magnitude as a tile's amax, at every tile position of a row and with either
+// sign: the fast path computes tile scales without the scalar rules (integer bit tests,
+// tile maxima reduced several at a time), so each amax must give the reference's scale byte.
+// The rest of each tile is random values of smaller magnitude. Both stores are checked
+// (the two-pass one and the one for rows already checked finite).
+TEST_P(CpuExhaustiveTest, EveryFiniteAmaxGivesTheReferenceScaleAtEveryTilePosition) {
+  const Layout layout = GetParam();
+  const int tile = GetLayoutInfo(layout).tile;
+  const int tiles_per_row = QuantizedTiles(layout);
+  // Shift the amaxes by one tile position per pass so each amax meets every position.
+  const int64_t per_pass = (kMaxFiniteMagnitude + 1 + tiles_per_row - 1) / tiles_per_row;
+  const int64_t n = per_pass * tiles_per_row;
+  std::vector<uint16_t> rows(n * kHeadDim);
+  testing::FastRandom rng(static_cast<uint64_t>(layout) + 31);
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t pass = r / per_pass;
+    for (int t = 0; t < tiles_per_row; ++t) {
+      const int amax = static_cast<int>(((r % per_pass) * tiles_per_row + (t + pass) % tiles_per_row) %
+                                        (kMaxFiniteMagnitude + 1));
+      uint16_t* at = rows.data() + r * kHeadDim + t * tile;
+      for (int i = 0; i < tile; ++i) {
+        at[i] = static_cast<uint16_t>((rng.Next() % (amax + 1)) | (rng.Next() & 0x8000));
+      }
+      at[rng.Next() % tile] = static_cast<uint16_t>(amax | (rng.Next() & 0x8000));
+    }
+    for (int d = tiles_per_row * tile; d < kHeadDim; ++d) {  // V4's RoPE dims
+      rows[r * kHeadDim + d] = static_cast<uint16_t>(rng.Next() % (kMaxFiniteMagnitude + 1));
+    }
+  }
+  const PoolGeometry g{layout, kPageSize, (n + kPageSize - 1) / kPageSize};
+  const std::vector<int64_t> locs = Sequential(n);
+  std::vector<uint8_t> expected(g.pool_bytes(), 0);
+  ASSERT_TRUE(reference::QuantizeStore(g, rows, locs, expected).ok());
+  ForEachCpuTarget([&] {
+    for (const bool checked : {false, true}) {
+      std::vector<uint8_t> pool(g.pool_bytes(), 0);
+      ASSERT_TRUE((checked ? cpu::QuantizeStoreCheckedRows(g, rows, locs, pool)
+                           : cpu::QuantizeStore(g, rows, locs, pool))
+                      .ok());
+      const auto diff = std::mismatch(pool.begin(), pool.end(), expected.begin());
+      ASSERT_TRUE(diff.first == pool.end())
+          << (checked ? "rows checked: " : "") << "pool byte " << diff.first - pool.begin();
+    }
+  });
+}
+
 // A pool whose records hold every code under every scale byte 0..255, including bytes no
 // store writes (V4/V41 exponents 0 and 255, negative or NaN-coded FP4 scales): a reader
 // must still give the reference's bytes for them.

@@ -125,17 +125,9 @@ absl::Status QuantizeStoreCheckedRows(const PoolGeometry& geometry,
   const bool stream = n * GetLayoutInfo(geometry.layout).bytes_per_token() >= kStreamingBytes;
   std::atomic<bool> finite{true};
   ForEach(workers, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    // Blocks of 64 rows (64 KiB of bf16): scaled, then coded from the core's cache.
-    constexpr int64_t kBlock = 64;
-    uint8_t scales[kBlock * (kHeadDim / 16)];  // the largest scale row: V41_FP4's 32 bytes
-    for (int64_t at = begin; at < end && finite.load(std::memory_order_relaxed); at += kBlock) {
-      const int64_t count = std::min(kBlock, end - at);
-      if (!internal::ScaleRows(geometry.layout, rows.data() + at * kHeadDim, count, scales)) {
-        finite.store(false, std::memory_order_relaxed);
-        return;
-      }
-      internal::EncodeRows(geometry, rows.data() + at * kHeadDim, scales, locs.data() + at, count,
-                           pool.data(), stream);
+    if (!internal::StoreCheckedRows(geometry, rows.data() + begin * kHeadDim, locs.data() + begin,
+                                    end - begin, pool.data(), stream)) {
+      finite.store(false, std::memory_order_relaxed);
     }
   });
   if (!finite.load()) {

@@ -155,20 +155,30 @@ using VU16 = hn::Vec<DU16>;
 // tb = max(t + 7, 0), one saturating subtraction: (tb + bit 4 of tb) >> 4 is t rounded to
 // nearest even in units of 16 (when t's low bits exceed 8, tb has already carried and the
 // extra bit cannot carry again).
-HWY_INLINE VU16 EncodeE4m3Normal(DU16 du, VU16 a, int e) {
-  const VU16 tb = hn::SaturatedSub(a, hn::Set(du, static_cast<uint16_t>((e - 7) * 128 - 7)));
+//
+// The per-tile constants are made once per tile (E4m3Bias), not per vector.
+struct E4m3Bias {
+  E4m3Bias(DU16 du, int e)
+      : normal(hn::Set(du, static_cast<uint16_t>((e - 7) * 128 - 7))),
+        subnormal(hn::Set(du, static_cast<uint16_t>((e - 10) * 128))) {}
+  VU16 normal;     // (e - 7) * 128 - 7: t + 7 = a - normal
+  VU16 subnormal;  // (e - 10) * 128: t + 384 = a - subnormal
+};
+
+HWY_INLINE VU16 EncodeE4m3Normal(DU16 du, VU16 a, const E4m3Bias& bias) {
+  const VU16 tb = hn::SaturatedSub(a, bias.normal);
   const VU16 odd = hn::And(hn::ShiftRight<4>(tb), hn::Set(du, 1));
   return hn::Min(hn::ShiftRight<4>(hn::Add(tb, odd)), hn::Set(du, 0x7E));
 }
 
 // Zero in the lanes EncodeE4m3Normal may get wrong (t in [-384, 128)), nonzero elsewhere.
-HWY_INLINE VU16 OutsideSubnormalRange(DU16 du, VU16 a, int e) {
-  return hn::ShiftRight<9>(hn::Sub(a, hn::Set(du, static_cast<uint16_t>((e - 10) * 128))));
+HWY_INLINE VU16 OutsideSubnormalRange(VU16 a, const E4m3Bias& bias) {
+  return hn::ShiftRight<9>(hn::Sub(a, bias.subnormal));
 }
 
 // `code` with the lanes of t in [-384, 128) recoded exactly: (128 | m7) >> (5 - E') rounded
 // to nearest even, the variable shift done as << (E' + 3), then >> 8 in every lane.
-HWY_INLINE VU16 FixE4m3Subnormals(DU16 du, VU16 a, int e, VU16 code) {
+HWY_INLINE VU16 FixE4m3Subnormals(DU16 du, VU16 a, int e, const E4m3Bias& bias, VU16 code) {
   const D16 d;
   const V16 t = hn::Sub(hn::BitCast(d, a), hn::Set(d, static_cast<int16_t>((e - 7) * 128)));
   const V16 exponent = hn::ShiftRight<7>(t);  // arithmetic: floor(t / 128) = E'
@@ -179,7 +189,7 @@ HWY_INLINE VU16 FixE4m3Subnormals(DU16 du, VU16 a, int e, VU16 code) {
   }
   const V16 odd = hn::And(hn::ShiftRight<8>(significand), hn::Set(d, 1));
   const V16 rounded = hn::ShiftRight<8>(hn::Add(hn::Add(significand, hn::Set(d, 127)), odd));
-  return hn::IfThenElse(OutsideSubnormalRange(du, a, e) == hn::Zero(du),
+  return hn::IfThenElse(OutsideSubnormalRange(a, bias) == hn::Zero(du),
                         hn::BitCast(du, rounded), code);
 }
 
@@ -193,21 +203,119 @@ HWY_INLINE bool CodeE4m3Tiles(const uint16_t* row, uint8_t* data, const uint8_t*
   const int n = static_cast<int>(hn::Lanes(d));
   const VU16 magnitude = hn::Set(du, 0x7FFF), sign = hn::Set(du, 0x80);
   VU16 nearest = hn::Set(du, 0xFFFF);
+  // A local copy: the stores into data could alias the scale row, which would make the
+  // compiler load it (and remake the constants) again after every vector.
+  uint8_t exponents[kTiles];
+  std::memcpy(exponents, e, kTiles);
   for (int t = 0; t < kTiles; ++t) {
+    const E4m3Bias bias(du, exponents[t]);
     for (int i = t * kTile; i < (t + 1) * kTile; i += n) {
       const VU16 bits = hn::LoadU(du, row + i);
       const VU16 a = hn::And(bits, magnitude);
-      VU16 code = EncodeE4m3Normal(du, a, e[t]);
+      VU16 code = EncodeE4m3Normal(du, a, bias);
       if constexpr (kExact) {
-        code = FixE4m3Subnormals(du, a, e[t], code);
+        code = FixE4m3Subnormals(du, a, exponents[t], bias, code);
       } else {
-        nearest = hn::Min(nearest, OutsideSubnormalRange(du, a, e[t]));
+        nearest = hn::Min(nearest, OutsideSubnormalRange(a, bias));
       }
       code = hn::Or(code, hn::And(hn::ShiftRight<8>(bits), sign));
       hn::StoreU(hn::DemoteTo(d8, hn::BitCast(d, code)), d8, data + i);
     }
   }
   return hn::GetLane(hn::MinOfLanes(du, nearest)) != 0;
+}
+
+// numerics::V4ScaleExponent and V41ScaleExponent of a tile whose amax has the bf16 magnitude
+// bits a = E << 7 | m, in integers: amax / 448 exceeds 2^k exactly when amax exceeds
+// 1.75 * 2^(k + 8), i.e. when E - 127 > k + 8 or E - 127 = k + 8 with m above 0x60 (1.75's
+// mantissa bits); an fp32 amax / 448 never rounds onto a power of two it does not equal
+// (amax has 8 significant bits). Then the floor: V4's 1e-4 / 448 takes exponent 105, V41's
+// 2^-13 is 114. The division and float compare these replace were most of a tile's cost;
+// cpu_exhaustive_test checks every finite amax against the scalar functions.
+constexpr int kV4MinExponent = 105;
+constexpr int kV41MinExponent = 114;
+HWY_INLINE uint8_t E4m3ScaleExponent(int a, int min_exponent) {
+  const int e = (a >> 7) - 8 + ((a & 0x7F) > 0x60 ? 1 : 0);
+  return static_cast<uint8_t>(e > min_exponent ? e : min_exponent);
+}
+
+// Tiles' maxima are reduced eight at a time by interleaving within 128-bit blocks, which
+// x86 and NEON do per block; other targets (SVE, RVV) reduce tile by tile.
+#if HWY_ARCH_X86 || HWY_TARGET == HWY_NEON
+constexpr bool kBlockwiseInterleave = true;
+#else
+constexpr bool kBlockwiseInterleave = false;
+#endif
+
+using D8x16 = hn::CappedTag<uint16_t, 8>;
+
+// The largest magnitude bits of `kTile` values as a vector (its largest lane is the tile's).
+template <int kTile>
+HWY_INLINE VU16 TileMaxVector(DU16 du, const uint16_t* p) {
+  const int n = static_cast<int>(hn::Lanes(du));
+  const VU16 magnitude = hn::Set(du, 0x7FFF);
+  VU16 max = hn::And(hn::LoadU(du, p), magnitude);
+  for (int i = n; i < kTile; i += n) max = hn::Max(max, hn::And(hn::LoadU(du, p + i), magnitude));
+  return max;
+}
+
+// Lane i (of 8): the largest lane of v[i]. Three rounds of interleave-and-max (16, 32, 64
+// bits) leave each 128-bit block with one partial maximum per vector, in order; then the
+// blocks are merged. About 3 operations per vector instead of a horizontal reduction each.
+template <class DU = DU16>  // a template so that only the branch of the target compiles
+HWY_INLINE hn::Vec<D8x16> LargestPerVector(const hn::Vec<DU> (&v)[8]) {
+  const DU du;
+  const hn::RepartitionToWide<DU> d32;
+  const hn::RepartitionToWide<decltype(d32)> d64;
+  using V = hn::Vec<DU>;
+  auto merge = [&](auto dw, V a, V b) HWY_ATTR {
+    const auto wa = hn::BitCast(dw, a), wb = hn::BitCast(dw, b);
+    return hn::Max(hn::BitCast(du, hn::InterleaveLower(dw, wa, wb)),
+                   hn::BitCast(du, hn::InterleaveUpper(dw, wa, wb)));
+  };
+  const V r = merge(d64, merge(d32, merge(du, v[0], v[1]), merge(du, v[2], v[3])),
+                       merge(d32, merge(du, v[4], v[5]), merge(du, v[6], v[7])));
+  if constexpr (hn::MaxLanes(DU()) > 8) {
+    const D8x16 dh;
+    return hn::Max(hn::LowerHalf(dh, r), hn::UpperHalf(dh, r));
+  } else {
+    return r;
+  }
+}
+
+// numerics::Fp4ScaleCode of 8 tiles' amax bits into codes[0..8). Where 8 fp32 lanes fit
+// in a vector (AVX2 and up) it is computed as the scalar rule does, in fp32 lanes: the
+// same IEEE product and clamps, then the e4m3 code by bit arithmetic (normal: 3 mantissa
+// bits rounded to nearest even by the carry trick; below 2^-6 the subnormal step count
+// rounded by adding 2^23); elsewhere by Fp4Tables' lookup, which the 32 KiB table makes a
+// cache miss on rows with varied magnitudes.
+template <class D8 = D8x16>
+HWY_INLINE void Fp4ScaleCodes(hn::Vec<D8> amax, const Fp4Tables& tables, uint8_t* codes) {
+  if constexpr (HWY_TARGET <= HWY_AVX2 && HWY_ARCH_X86) {
+    const hn::Rebind<uint32_t, D8> du32;
+    const hn::Rebind<int32_t, D8> di32;
+    const hn::Rebind<float, D8> df;
+    const hn::Rebind<uint8_t, D8> dbytes;
+    const auto value = hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du32, amax)));
+    auto s = hn::Mul(value, hn::Set(df, numerics::BitsToFloat(0x3E2AAAABu)));  // fp32(1/6)
+    s = hn::Min(hn::Max(s, hn::Set(df, 0.001953125f)), hn::Set(df, 448.0f));
+    const auto u = hn::BitCast(di32, s);
+    // Normal (s >= 2^-6): exponent and 3 mantissa bits, RNE on the 20 bits dropped; s <= 448
+    // keeps the code at most 0x7E.
+    const auto rounded =
+        hn::Add(hn::Add(u, hn::Set(di32, 0x7FFFF)), hn::And(hn::ShiftRight<20>(u), hn::Set(di32, 1)));
+    const auto normal = hn::Sub(hn::ShiftRight<20>(rounded), hn::Set(di32, 120 << 3));
+    // Subnormal (2^-9 <= s < 2^-6): s * 2^9 rounded to an integer 1..8 (8 is code 0x08).
+    const auto steps = hn::Add(hn::Mul(s, hn::Set(df, 512.0f)), hn::Set(df, 8388608.0f));
+    const auto subnormal = hn::Sub(hn::BitCast(di32, steps), hn::Set(di32, 0x4B000000));
+    const auto code =
+        hn::IfThenElse(hn::Lt(u, hn::Set(di32, 0x3C800000)), subnormal, normal);
+    hn::StoreU(hn::DemoteTo(dbytes, code), dbytes, codes);
+  } else {
+    alignas(16) uint16_t amaxes[8];
+    hn::Store(amax, D8(), amaxes);
+    for (int j = 0; j < 8; ++j) codes[j] = tables.scale_code[amaxes[j]];
+  }
 }
 
 // The scale row of a row into scale: V4 7 exponents and the zero pad byte, V41 16
@@ -217,25 +325,53 @@ template <Layout kLayout>
 bool ScaleRowT(const uint16_t* row, uint8_t* scale, const Fp4Tables& tables) {
   constexpr int kTile = GetLayoutInfo(kLayout).tile;
   constexpr int kTiles = (kLayout == Layout::kV4 ? kNopeDim : kHeadDim) / kTile;
-  const D16 d;
-  int row_max = 0;
-  for (int t = 0; t < kTiles; ++t) {
-    const int amax = TileAmax(d, row + t * kTile, kTile);
-    row_max = std::max(row_max, amax);
-    const float amax_value = numerics::BitsToFloat(static_cast<uint32_t>(amax) << 16);
-    if constexpr (kLayout == Layout::kV4) {
-      scale[t] = numerics::V4ScaleExponent(amax_value);
-    } else if constexpr (kLayout == Layout::kV41) {
-      scale[t] = numerics::V41ScaleExponent(amax_value);
-    } else {
-      scale[t] = tables.scale_code[amax];
+  constexpr int kMinExponent = kLayout == Layout::kV4 ? kV4MinExponent : kV41MinExponent;
+  if constexpr (!kBlockwiseInterleave) {
+    const D16 d;
+    int row_max = 0;
+    for (int t = 0; t < kTiles; ++t) {
+      const int amax = TileAmax(d, row + t * kTile, kTile);
+      row_max = std::max(row_max, amax);
+      if constexpr (kLayout == Layout::kV41Fp4) {
+        scale[t] = tables.scale_code[amax];
+      } else {
+        scale[t] = E4m3ScaleExponent(amax, kMinExponent);
+      }
     }
+    if constexpr (kLayout == Layout::kV4) {
+      row_max = std::max(row_max, TileAmax(d, row + kNopeDim, kRopeDim));
+      scale[7] = 0;
+    }
+    return row_max < kNonFiniteMagnitude;
+  } else {
+    // Groups of 8 tiles; V4's 7 NoPE tiles take its RoPE dims (one more 64-value tile) as
+    // the 8th, for the finite check only.
+    static_assert(kLayout != Layout::kV4 || (kTiles == 7 && kRopeDim == kTile));
+    constexpr int kGroups = kLayout == Layout::kV4 ? 1 : kTiles / 8;
+    const DU16 du;
+    const D8x16 d8;
+    const hn::RebindToSigned<D8x16> di8;
+    const hn::Rebind<uint8_t, D8x16> dbytes;
+    auto row_max = hn::Zero(d8);
+    for (int g = 0; g < kGroups; ++g) {
+      VU16 tiles[8];
+      for (int j = 0; j < 8; ++j) tiles[j] = TileMaxVector<kTile>(du, row + (g * 8 + j) * kTile);
+      const auto amax = LargestPerVector(tiles);
+      row_max = hn::Max(row_max, amax);
+      if constexpr (kLayout == Layout::kV41Fp4) {
+        Fp4ScaleCodes(amax, tables, scale + g * 8);
+      } else {
+        // E4m3ScaleExponent, lane by lane.
+        const auto above = hn::VecFromMask(di8, hn::BitCast(di8, hn::And(amax, hn::Set(d8, 0x7F))) >
+                                                    hn::Set(di8, 0x60));
+        auto e = hn::Sub(hn::Sub(hn::BitCast(di8, hn::ShiftRight<7>(amax)), hn::Set(di8, 8)), above);
+        e = hn::Max(e, hn::Set(di8, kMinExponent));
+        hn::StoreU(hn::DemoteTo(dbytes, e), dbytes, scale + g * 8);
+      }
+    }
+    if constexpr (kLayout == Layout::kV4) scale[7] = 0;
+    return hn::GetLane(hn::MaxOfLanes(d8, row_max)) < kNonFiniteMagnitude;
   }
-  if constexpr (kLayout == Layout::kV4) {
-    row_max = std::max(row_max, TileAmax(d, row + kNopeDim, kRopeDim));
-    scale[7] = 0;
-  }
-  return row_max < kNonFiniteMagnitude;
 }
 
 // V4 (NoPE tiles and the copied RoPE dims) and V41 codes of a finite row under its scale
@@ -255,38 +391,50 @@ void EncodeE4m3Row(const uint16_t* row, const uint8_t* scale, uint8_t* data) {
 }
 
 // V41_FP4 codes of a finite row under its scale codes, by table (see Fp4Tables): a code is
-// the count of thresholds the magnitude exceeds. The sign is kept for every nonzero value
+// the count of thresholds the magnitude exceeds, found by a binary search over the tile's 7
+// thresholds in three steps (each an in-register lookup of the threshold to compare with),
+// rather than by comparing with all 7. The sign is kept for every nonzero value
 // (|x| / S >= 2^-142 never rounds to zero in fp32) and dropped for -0, as the reference's
 // "+ 0.0f" does.
 void EncodeFp4Row(const uint16_t* row, const uint8_t* scale, uint8_t* data,
                   const Fp4Tables& tables) {
   constexpr int kTile = 16;
   const D16 d;
-  const hn::Repartition<int32_t, D16> d32;
+  const hn::Repartition<uint8_t, D16> dbytes;
+  const hn::Repartition<uint32_t, D16> d32;
   const hn::Rebind<uint8_t, decltype(d32)> d8;
   const int n = static_cast<int>(hn::Lanes(d));
   const V16 magnitude = hn::Set(d, 0x7FFF);
   const V16 sign_bit = hn::Set(d, static_cast<int16_t>(0x8000));
   const V16 sign = hn::Set(d, 0x8);
+  // A lane's lookup index of threshold k: its bytes 2k and 2k + 1, i.e. k * 0x0202 + 0x0100.
+  const V16 index_of_3 = hn::Set(d, 3 * 0x0202 + 0x0100), base = hn::Set(d, 0x0100);
+  const V16 step4 = hn::Set(d, 4 * 0x0202), step2 = hn::Set(d, 2 * 0x0202),
+            step1 = hn::Set(d, 0x0202);
+  uint8_t codes[kHeadDim / kTile];  // local: the stores into data could alias scale
+  std::memcpy(codes, scale, sizeof(codes));
   for (int t = 0; t < kHeadDim / kTile; ++t) {
-    const int16_t* thresholds = tables.thresholds[scale[t]];
+    // The tile's 8 thresholds (the last is padding) in every 128-bit block.
+    const auto thresholds =
+        hn::BitCast(dbytes, hn::LoadDup128(d, tables.thresholds[codes[t]]));
+    auto threshold = [&](V16 index) HWY_ATTR {
+      return hn::BitCast(d, hn::TableLookupBytes(thresholds, hn::BitCast(dbytes, index)));
+    };
     for (int i = t * kTile; i < (t + 1) * kTile; i += n) {
       const V16 bits = LoadBf16(d, row + i);
       const V16 a = hn::And(bits, magnitude);
-      // Each exceeded threshold is a -1 lane; summed as a tree, not a chain of 7.
-      auto above = [&](int k) HWY_ATTR {
-        return hn::VecFromMask(d, a > hn::Set(d, thresholds[k]));
-      };
-      const V16 minus_code =
-          hn::Add(hn::Add(hn::Add(above(0), above(1)), hn::Add(above(2), above(3))),
-                  hn::Add(hn::Add(above(4), above(5)), above(6)));
+      // code >= 4 iff a > T3; then >= code + 2 iff a > T[code + 1]; then + 1 iff a > T[code]
+      // (thresholds ascend). c holds code as a lookup index: code * 0x0202 + 0x0100.
+      V16 c = hn::Add(base, hn::And(hn::VecFromMask(d, a > threshold(index_of_3)), step4));
+      c = hn::Add(c, hn::And(hn::VecFromMask(d, a > threshold(hn::Add(c, step1))), step2));
+      c = hn::Add(c, hn::And(hn::VecFromMask(d, a > threshold(c)), step1));
       // Negative and nonzero: bits above 0x8000, i.e. bits ^ 0x8000 above 0 as int16.
       const V16 negative = hn::VecFromMask(d, hn::Xor(bits, sign_bit) > hn::Zero(d));
-      const V16 code = hn::Or(hn::Neg(minus_code), hn::And(negative, sign));
+      const V16 code = hn::Or(hn::And(hn::ShiftRight<1>(c), hn::Set(d, 7)), hn::And(negative, sign));
       // Two codes per 32-bit lane (dim 2j low, 2j+1 high) -> one byte: low | high << 4.
       auto pairs = hn::BitCast(d32, code);
-      pairs = hn::And(hn::Or(pairs, hn::ShiftRight<12>(pairs)), hn::Set(d32, 0xFF));
-      hn::StoreU(hn::DemoteTo(d8, pairs), d8, data + i / 2);
+      pairs = hn::Or(pairs, hn::ShiftRight<12>(pairs));
+      hn::StoreU(hn::TruncateTo(d8, pairs), d8, data + i / 2);
     }
   }
 }
@@ -466,13 +614,20 @@ bool ScaleRowsImpl(Layout layout, const uint16_t* rows, int64_t count, uint8_t* 
   return finite;
 }
 
-void EncodeRowsImpl(const PoolGeometry& geometry, const uint16_t* rows, const uint8_t* scales,
-                    const int64_t* locs, int64_t count, uint8_t* pool, bool stream) {
+// EncodeRows; while row i is coded, row i of `next` (the next block's rows, `next_count` of
+// them) is requested from memory, so a block-by-block store keeps DRAM busy while it codes.
+void EncodeRowsPrefetching(const PoolGeometry& geometry, const uint16_t* rows,
+                           const uint8_t* scales, const int64_t* locs, int64_t count,
+                           uint8_t* pool, bool stream, const uint16_t* next, int64_t next_count) {
   const Addressing locate(geometry);
   const Fp4Tables& tables = Fp4Tables::Get();
   const int data_bytes = static_cast<int>(locate.data_bytes);
   const int scale_bytes = static_cast<int>(locate.scale_bytes);
   for (int64_t i = 0; i < count; ++i) {
+    if (i < next_count) {
+      const char* ahead = reinterpret_cast<const char*>(next + i * kHeadDim);
+      for (int b = 0; b < kBf16RowBytes; b += 64) __builtin_prefetch(ahead + b, 0);
+    }
     if (i + kPrefetchRows < count) {
       const RecordOffsets ahead = locate(locs[i + kPrefetchRows]);
       PrefetchRecord(pool + ahead.data, data_bytes, pool + ahead.scale, /*for_write=*/true);
@@ -489,6 +644,28 @@ void EncodeRowsImpl(const PoolGeometry& geometry, const uint16_t* rows, const ui
     std::memcpy(pool + at.scale, scale, scale_bytes);
   }
   if (stream) hwy::FlushStream();  // order the streamed lines before the caller's sync
+}
+
+void EncodeRowsImpl(const PoolGeometry& geometry, const uint16_t* rows, const uint8_t* scales,
+                    const int64_t* locs, int64_t count, uint8_t* pool, bool stream) {
+  EncodeRowsPrefetching(geometry, rows, scales, locs, count, pool, stream, nullptr, 0);
+}
+
+// Rows known finite, in blocks of 64 (64 KiB of bf16): scaled, then coded while the block
+// is still in the core's cache and the next block is on its way from memory. False (and
+// the store stopped part way) if a row was not finite after all.
+bool StoreCheckedRowsImpl(const PoolGeometry& geometry, const uint16_t* rows, const int64_t* locs,
+                          int64_t count, uint8_t* pool, bool stream) {
+  constexpr int64_t kBlock = 64;
+  alignas(64) uint8_t scales[kBlock * (kHeadDim / 16)];  // the largest scale row: 32 bytes
+  for (int64_t at = 0; at < count; at += kBlock) {
+    const int64_t n = std::min(kBlock, count - at);
+    const uint16_t* block = rows + at * kHeadDim;
+    if (!ScaleRowsImpl(geometry.layout, block, n, scales)) return false;
+    EncodeRowsPrefetching(geometry, block, scales, locs + at, n, pool, stream,
+                          block + n * kHeadDim, std::min(kBlock, count - at - n));
+  }
+  return true;
 }
 
 void DequantizeRowsImpl(const PoolGeometry& geometry, const uint8_t* pool, const int64_t* locs,
@@ -538,6 +715,7 @@ namespace kvferry::cpu::internal {
 HWY_EXPORT(TargetImpl);
 HWY_EXPORT(ScaleRowsImpl);
 HWY_EXPORT(EncodeRowsImpl);
+HWY_EXPORT(StoreCheckedRowsImpl);
 HWY_EXPORT(DequantizeRowsImpl);
 HWY_EXPORT(TranscodeRowsImpl);
 
@@ -552,6 +730,11 @@ bool ScaleRows(Layout layout, const uint16_t* rows, int64_t count, uint8_t* scal
 void EncodeRows(const PoolGeometry& geometry, const uint16_t* rows, const uint8_t* scales,
                 const int64_t* locs, int64_t count, uint8_t* pool, bool stream) {
   HWY_DYNAMIC_DISPATCH(EncodeRowsImpl)(geometry, rows, scales, locs, count, pool, stream);
+}
+
+bool StoreCheckedRows(const PoolGeometry& geometry, const uint16_t* rows, const int64_t* locs,
+                      int64_t count, uint8_t* pool, bool stream) {
+  return HWY_DYNAMIC_DISPATCH(StoreCheckedRowsImpl)(geometry, rows, locs, count, pool, stream);
 }
 
 void DequantizeRows(const PoolGeometry& geometry, const uint8_t* pool, const int64_t* locs,

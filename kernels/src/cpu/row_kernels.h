@@ -17,6 +17,12 @@ bool ScaleRows(Layout layout, const uint16_t* rows, int64_t count, uint8_t* scal
 void EncodeRows(const PoolGeometry& geometry, const uint16_t* rows, const uint8_t* scales,
                 const int64_t* locs, int64_t count, uint8_t* pool, bool stream);
 
+// A store of rows already known finite, in one pass over memory: blocks of rows scaled and
+// then coded from the cache; false if a row holds NaN or Inf after all (the store then
+// stopped part way).
+bool StoreCheckedRows(const PoolGeometry& geometry, const uint16_t* rows, const int64_t* locs,
+                      int64_t count, uint8_t* pool, bool stream);
+
 // The record of locs[i] into out[i * out_row_stride .. +512); `stream` as for EncodeRows.
 void DequantizeRows(const PoolGeometry& geometry, const uint8_t* pool, const int64_t* locs,
                     int64_t count, uint16_t* out, int64_t out_row_stride, bool stream);
