@@ -226,6 +226,40 @@ int Main(int argc, char** argv) {
       "zero pages", "v4", "every other page", page_copy_bytes / 2,
       [&](cpu::ThreadPool* w) { return cpu::ZeroPages(pg, pages, pool, w); },
       [&] { return reference::ZeroPages(pg, pages, pool); });
+
+  // The coding alone: 2048 tokens (2 MiB of rows) that stay in the caches, one core, the
+  // best of 200 calls: what a token costs when memory is not the bound.
+  std::printf("\ncompute alone (2048 tokens in cache, one core, best of 200), ns per token:\n\n"
+              "| op | v4 | v41 | v41_fp4 |\n|---|---|---|---|\n");
+  constexpr int64_t kInCache = 2048;
+  const std::vector<uint16_t> small(rows.begin(), rows.begin() + kInCache * kHeadDim);
+  std::vector<uint16_t> small_out(small.size());
+  const std::vector<int64_t> first(sequential.begin(), sequential.begin() + kInCache);
+  auto best_ns = [&](const std::function<void()>& fn) {
+    double best = 1e30;
+    for (int r = 0; r < 200; ++r) {
+      const auto start = std::chrono::steady_clock::now();
+      fn();
+      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+    return best / kInCache * 1e9;
+  };
+  const char* ops[] = {"quantize-store", "quantize-store, rows checked", "dequantize-gather"};
+  for (int op = 0; op < 3; ++op) {
+    std::printf("| %s |", ops[op]);
+    for (const Layout layout : {Layout::kV4, Layout::kV41, Layout::kV41Fp4}) {
+      const PoolGeometry g{layout, kPageSize, kInCache / kPageSize};
+      std::vector<uint8_t> small_pool(g.pool_bytes(), 0);
+      Check(cpu::QuantizeStore(g, small, first, small_pool));
+      const double ns = best_ns([&] {
+        if (op == 0) Check(cpu::QuantizeStore(g, small, first, small_pool));
+        if (op == 1) Check(cpu::QuantizeStoreCheckedRows(g, small, first, small_pool));
+        if (op == 2) Check(cpu::DequantizeGather(g, small_pool, first, small_out));
+      });
+      std::printf(" %.0f |", ns);
+    }
+    std::printf("\n");
+  }
   return 0;
 }
 
