@@ -57,6 +57,12 @@ absl::StatusOr<std::shared_ptr<ImportedMemory>> Backend::ImportIpc(const std::st
                absl::StrCat("CUDA IPC needs a cuda device; this is ", device()));
 }
 
+absl::StatusOr<std::shared_ptr<ImportedMemory>> Backend::ImportVmm(
+    const WorkerProcess&, std::span<const VmmAllocation>) {
+  return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kUnknownDevice,
+               absl::StrCat("CUDA VMM memory needs a cuda device; this is ", device()));
+}
+
 absl::StatusOr<ExportedMemory> Backend::ExportIpc(const void*) {
   return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kUnknownDevice,
                absl::StrCat("CUDA IPC needs a cuda device; this is ", device()));

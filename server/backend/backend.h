@@ -29,6 +29,7 @@
 namespace kvferry::server {
 
 class Backend;
+class WorkerProcess;
 
 enum class MemoryKind {
   kDevice,       // the backend's device memory (host memory on cpu)
@@ -140,6 +141,12 @@ class ImportedMemory {
   virtual uint64_t bytes() const = 0;
 };
 
+// One allocation of a worker's VMM range: its descriptor in the worker, bytes mapped.
+struct VmmAllocation {
+  int fd = -1;
+  uint64_t size = 0;
+};
+
 // A block of this backend's memory as another process opens it.
 struct ExportedMemory {
   std::string ipc_handle;  // cudaIpcMemHandle_t bytes of the allocation
@@ -167,6 +174,13 @@ class Backend {
   // backend cannot (cpu); INVALID_ARGUMENT (INVALID_REQUEST) for a handle the driver refuses.
   // Handles of one allocation share one mapping.
   virtual absl::StatusOr<std::shared_ptr<ImportedMemory>> ImportIpc(const std::string& handle);
+  // Maps the VMM allocations of `worker` (descriptors of POSIX file descriptor handles)
+  // back to back into one range of this process, in order. FAILED_PRECONDITION where the
+  // backend cannot (cpu), an allocation is on another device, or the worker's descriptors
+  // cannot be taken; INVALID_ARGUMENT for a descriptor or size the driver refuses. Nothing
+  // stays mapped on failure.
+  virtual absl::StatusOr<std::shared_ptr<ImportedMemory>> ImportVmm(
+      const WorkerProcess& worker, std::span<const VmmAllocation> allocations);
   // The handle another process opens `ptr`'s allocation with.
   virtual absl::StatusOr<ExportedMemory> ExportIpc(const void* ptr);
 

@@ -5,7 +5,11 @@
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
+#include <unistd.h>
+
 #include <cstring>
+#include <memory>
+#include <type_traits>
 
 #include <vector>
 
@@ -14,6 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "kvferry/mutex.h"
 #include "common/errors.h"
+#include "common/worker_process.h"
 #include "kvferry/kernels/cuda_compressor.h"
 #include "kvferry/kernels/cuda_ops.h"
 #include "kvferry/kernels/status_macros.h"
@@ -95,6 +100,81 @@ AddressRangeFn AddressRange() {
   }();
   return fn;
 }
+
+// The driver's virtual memory calls, found at run time like cuMemGetAddressRange.
+struct VmmDriver {
+  decltype(&cuMemImportFromShareableHandle) import_handle = nullptr;
+  decltype(&cuMemGetAllocationPropertiesFromHandle) properties = nullptr;
+  decltype(&cuMemGetAllocationGranularity) granularity = nullptr;
+  decltype(&cuMemAddressReserve) reserve = nullptr;
+  decltype(&cuMemAddressFree) free_range = nullptr;
+  decltype(&cuMemMap) map = nullptr;
+  decltype(&cuMemUnmap) unmap = nullptr;
+  decltype(&cuMemSetAccess) set_access = nullptr;
+  decltype(&cuMemRelease) release = nullptr;
+  bool ok = false;
+
+  static const VmmDriver& Get() {
+    static const VmmDriver driver = [] {
+      VmmDriver d;
+      auto find = [](const char* name, auto& fn) {
+        void* f = nullptr;
+        cudaDriverEntryPointQueryResult found;
+        if (cudaGetDriverEntryPointByVersion(name, &f, 12000, cudaEnableDefault, &found) !=
+                cudaSuccess ||
+            found != cudaDriverEntryPointSuccess) {
+          cudaGetLastError();
+          return false;
+        }
+        fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(f);
+        return true;
+      };
+      d.ok = find("cuMemImportFromShareableHandle", d.import_handle) &&
+             find("cuMemGetAllocationPropertiesFromHandle", d.properties) &&
+             find("cuMemGetAllocationGranularity", d.granularity) &&
+             find("cuMemAddressReserve", d.reserve) && find("cuMemAddressFree", d.free_range) &&
+             find("cuMemMap", d.map) && find("cuMemUnmap", d.unmap) &&
+             find("cuMemSetAccess", d.set_access) && find("cuMemRelease", d.release);
+      return d;
+    }();
+    return driver;
+  }
+};
+
+std::string DriverError(CUresult r) { return absl::StrCat("CUDA driver error ", static_cast<int>(r)); }
+
+// A worker's VMM allocations mapped back to back into a range this process reserved;
+// destroying it unmaps them (the allocations' memory is the worker's: it outlives this).
+class VmmMapping final : public ImportedMemory {
+ public:
+  VmmMapping(int device, CUdeviceptr base, uint64_t bytes) : device_(device), base_(base), bytes_(bytes) {}
+  ~VmmMapping() override {
+    const VmmDriver& d = VmmDriver::Get();
+    cudaSetDevice(device_);
+    if (mapped_ > 0) d.unmap(base_, mapped_);
+    d.free_range(base_, bytes_);
+  }
+  uint8_t* base() const override { return reinterpret_cast<uint8_t*>(base_); }
+  uint64_t bytes() const override { return mapped_; }
+  // Maps `size` bytes of `handle` at the end of what is mapped.
+  absl::Status Append(CUmemGenericAllocationHandle handle, uint64_t size) {
+    const CUresult r = VmmDriver::Get().map(base_ + mapped_, size, 0, handle, 0);
+    if (r != CUDA_SUCCESS) {
+      return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                   absl::StrCat("cannot map ", size, " bytes of a VMM allocation at offset ",
+                                mapped_, " (", DriverError(r),
+                                "): is the size larger than the allocation, or not a multiple of its granularity?"));
+    }
+    mapped_ += size;
+    return absl::OkStatus();
+  }
+
+ private:
+  const int device_;
+  const CUdeviceptr base_;
+  const uint64_t bytes_;  // reserved
+  uint64_t mapped_ = 0;
+};
 
 absl::Status AllocationOf(const void* ptr, uint8_t** base, uint64_t* bytes) {
   const AddressRangeFn range = AddressRange();
@@ -239,6 +319,76 @@ class CudaBackend final : public Backend {
                                                 bytes - (static_cast<uint8_t*>(ptr) - base));
     imports_[handle] = mapping;
     return std::shared_ptr<ImportedMemory>(mapping);
+  }
+
+  absl::StatusOr<std::shared_ptr<ImportedMemory>> ImportVmm(
+      const WorkerProcess& worker, std::span<const VmmAllocation> allocations) override {
+    const VmmDriver& d = VmmDriver::Get();
+    if (!d.ok) {
+      return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kDeviceError,
+                   "the CUDA driver lacks the virtual memory calls");
+    }
+    if (allocations.empty()) {
+      return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                   "no VMM allocation named");
+    }
+    unsigned __int128 total = 0;
+    for (const VmmAllocation& a : allocations) {
+      if (a.size == 0 || a.fd < 0) {
+        return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                     absl::StrCat("VMM allocation (descriptor ", a.fd, ", ", a.size,
+                                  " bytes): a descriptor and a size above 0 are needed"));
+      }
+      total += a.size;
+    }
+    if (total > (static_cast<unsigned __int128>(1) << 44)) {
+      return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kTensorOutOfBounds,
+                   "the VMM allocations exceed 16 TiB");
+    }
+    KVF_RETURN_IF_ERROR(UseDevice());
+    CUdeviceptr base = 0;
+    if (const CUresult r = d.reserve(&base, static_cast<size_t>(total), 0, 0, 0); r != CUDA_SUCCESS) {
+      return Error(absl::StatusCode::kResourceExhausted, ErrorReason::kDeviceOutOfMemory,
+                   absl::StrCat(device_, ": cannot reserve ", static_cast<uint64_t>(total),
+                                " bytes of address space (", DriverError(r), ")"));
+    }
+    auto mapping = std::make_shared<VmmMapping>(index_, base, static_cast<uint64_t>(total));
+    for (const VmmAllocation& a : allocations) {
+      KVF_ASSIGN_OR_RETURN(const int fd, worker.TakeFd(a.fd));
+      CUmemGenericAllocationHandle handle = 0;
+      const CUresult imported = d.import_handle(&handle, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)),
+                                                CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+      close(fd);  // the handle holds the allocation
+      if (imported != CUDA_SUCCESS) {
+        return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                     absl::StrCat("descriptor ", a.fd, " of worker process ", worker.pid(),
+                                  " is not a CUDA VMM allocation (", DriverError(imported), ")"));
+      }
+      struct Release {
+        CUmemGenericAllocationHandle h;
+        ~Release() { VmmDriver::Get().release(h); }  // a mapping keeps its own reference
+      } release{handle};
+      CUmemAllocationProp prop = {};
+      if (const CUresult r = d.properties(&prop, handle); r != CUDA_SUCCESS) {
+        return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                     absl::StrCat("descriptor ", a.fd, ": no allocation properties (", DriverError(r), ")"));
+      }
+      if (prop.location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop.location.id != index_) {
+        return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kDeviceMismatch,
+                     absl::StrCat("descriptor ", a.fd, ": the allocation is not on ", device_));
+      }
+      KVF_RETURN_IF_ERROR(mapping->Append(handle, a.size));
+    }
+    CUmemAccessDesc access = {};
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = index_;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    if (const CUresult r = d.set_access(base, static_cast<size_t>(total), &access, 1); r != CUDA_SUCCESS) {
+      return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                   absl::StrCat("cannot make the VMM range accessible on ", device_, " (",
+                                DriverError(r), ")"));
+    }
+    return std::shared_ptr<ImportedMemory>(std::move(mapping));
   }
 
   absl::StatusOr<ExportedMemory> ExportIpc(const void* ptr) override {

@@ -67,7 +67,8 @@ enum class ErrorReason {
   kNotAMember,
   kPeerUnavailable,
   kTransportUnavailable,
-  // 54-59: unused.
+  kWorkerNotAccessible,
+  // 55-59: unused.
   kDaemonBudgetExhausted = 60,
   kStreamIdleTimeout = 61,
   kStreamTooLong = 62,

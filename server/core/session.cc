@@ -1,6 +1,8 @@
 // SessionManager: tensors of other processes, Save/Load in place, completion words.
 #include "core/session.h"
 
+#include <sys/random.h>
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -13,6 +15,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/errors.h"
+#include "common/worker_process.h"
 #include "kvferry/kernels/status_macros.h"
 
 namespace kvferry::server {
@@ -20,6 +23,9 @@ namespace kvferry::server {
 namespace {
 
 int64_t AlignUp(int64_t x, int64_t a) { return (x + a - 1) / a * a; }
+
+// VMM allocations one tensor may name (PyTorch's expandable segments map 20 MiB apiece).
+constexpr size_t kMaxVmmAllocations = 4096;
 
 absl::Status Invalid(ErrorReason reason, std::string message) {
   return Error(absl::StatusCode::kInvalidArgument, reason, message);
@@ -98,6 +104,7 @@ struct SessionManager::Session {
   std::string worker;
   std::string device;  // "cuda:N"
   std::string shm_name;
+  std::string secret;
   uint64_t* words = nullptr;
   uint32_t slots = 0;
 
@@ -179,6 +186,12 @@ absl::StatusOr<SessionManager::Opened> SessionManager::Open(std::shared_ptr<Tena
     session->id = next_session_++;
   }
   session->slots = slots;
+  session->secret.resize(32);
+  if (getrandom(session->secret.data(), session->secret.size(), 0) !=
+      static_cast<ssize_t>(session->secret.size())) {
+    return Error(absl::StatusCode::kInternal, ErrorReason::kInternalError,
+                 absl::StrCat("getrandom for the session's secret: ", std::strerror(errno)));
+  }
   session->shm_name = absl::StrCat("/kvferry-", getpid(), "-", session->id);
   // Readable by the worker (possibly another user in another container), written only here.
   const int fd = shm_open(session->shm_name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0644);
@@ -200,7 +213,7 @@ absl::StatusOr<SessionManager::Opened> SessionManager::Open(std::shared_ptr<Tena
   session->words = static_cast<uint64_t*>(map);
   kvferry::MutexLock lock(&mu_);
   sessions_[session->id] = session;
-  return Opened{session->id, session->shm_name, slots};
+  return Opened{session->id, session->shm_name, slots, session->secret};
 }
 
 void SessionManager::Close(uint64_t session_id) {
@@ -258,11 +271,29 @@ absl::StatusOr<std::shared_ptr<SessionManager::Session>> SessionManager::Find(
 absl::StatusOr<std::vector<uint64_t>> SessionManager::Register(
     uint64_t session_id, const TenantAccount& caller, std::span<const KvTensorSpec> specs) {
   KVF_ASSIGN_OR_RETURN(std::shared_ptr<Session> session, Find(session_id, &caller));
+  // A process named for VMM memory proves first that it is the session's: only the
+  // session's owner knows its secret, so a descriptor of that process reading it shows the
+  // owner controls the process, and no caller can map another worker's memory by naming
+  // its process.
+  std::vector<std::unique_ptr<WorkerProcess>> workers(specs.size());
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const KvTensorSpec& spec = specs[i];
+    if (spec.vmm.empty()) continue;
+    if (!spec.ipc_handle.empty() || spec.vmm.size() > kMaxVmmAllocations) {
+      return Invalid(ErrorReason::kInvalidRequest,
+                     absl::StrCat("tensor '", spec.name.substr(0, 64),
+                                  "': name its memory by an IPC handle or by at most ",
+                                  kMaxVmmAllocations, " VMM allocations, not both"));
+    }
+    KVF_ASSIGN_OR_RETURN(workers[i], WorkerProcess::Open(spec.vmm_pid));
+    KVF_RETURN_IF_ERROR(workers[i]->Proves(spec.vmm_proof_fd, session->secret));
+  }
   // The device's backend, made on the first registration (a session without tensors works
   // on any daemon: its completion words and pages need no GPU).
   KVF_ASSIGN_OR_RETURN(std::shared_ptr<Backend> backend, pools_->BackendFor(session->device));
   std::vector<std::shared_ptr<Tensor>> made;
-  for (const KvTensorSpec& spec : specs) {
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const KvTensorSpec& spec = specs[i];
     const std::string name = spec.name.substr(0, 64);
     if (spec.num_blocks == 0 || spec.block_tokens == 0 || spec.block_tokens > kMaxPageSize) {
       return Invalid(ErrorReason::kInvalidGeometry,
@@ -294,7 +325,11 @@ absl::StatusOr<std::vector<uint64_t>> SessionManager::Register(
     auto tensor = std::make_shared<Tensor>();
     tensor->spec = spec;
     tensor->backend = backend;
-    KVF_ASSIGN_OR_RETURN(tensor->memory, backend->ImportIpc(spec.ipc_handle));
+    if (spec.vmm.empty()) {
+      KVF_ASSIGN_OR_RETURN(tensor->memory, backend->ImportIpc(spec.ipc_handle));
+    } else {
+      KVF_ASSIGN_OR_RETURN(tensor->memory, backend->ImportVmm(*workers[i], spec.vmm));
+    }
     // A geometry past the allocation would let a kernel read or write other memory of the
     // device (another tenant's pools) or fault and take the device down for every client:
     // refused here, computed without wrapping.

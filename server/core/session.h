@@ -33,6 +33,10 @@ enum class RowKind { kBf16, kRecords };
 // A worker tensor as registered: blocks of `block_tokens` tokens.
 struct KvTensorSpec {
   std::string ipc_handle;  // of the allocation holding the tensor
+  // Or the worker's VMM allocations (Backend::ImportVmm), when `vmm` is not empty.
+  uint32_t vmm_pid = 0;
+  std::vector<VmmAllocation> vmm;
+  int vmm_proof_fd = -1;  // the worker's descriptor holding the session's secret
   uint64_t offset = 0;     // bytes from the allocation's base
   uint64_t num_blocks = 0;
   uint32_t block_tokens = 0;
@@ -115,6 +119,7 @@ class SessionManager {
     uint64_t session_id;
     std::string completion_shm;
     uint32_t completion_slots;
+    std::string secret;  // random; a worker proves with it that a process is the session's
   };
   // `device`: the CUDA index of the worker's tensors ("cuda:<device>" pools only). The
   // session belongs to `owner`: it reaches only that tenant's pools, and any other caller

@@ -19,6 +19,9 @@ namespace {
 absl::StatusOr<KvTensorSpec> FromProto(const v1::KvTensor& t) {
   KvTensorSpec spec;
   spec.ipc_handle = t.ipc_handle();
+  spec.vmm_pid = t.vmm_pid();
+  for (const v1::VmmAllocation& a : t.vmm_allocations()) spec.vmm.push_back({a.fd(), a.size()});
+  spec.vmm_proof_fd = t.vmm_proof_fd();
   spec.offset = t.offset();
   spec.num_blocks = t.num_blocks();
   spec.block_tokens = t.block_tokens();
@@ -125,6 +128,7 @@ void SessionService::Serve(const SessionManager::Opened& opened, const v1::Sessi
   v1::SessionEvent event;
   event.mutable_opened()->set_session_id(id);
   event.mutable_opened()->set_completion_shm(opened.completion_shm);
+  event.mutable_opened()->set_session_secret(opened.secret);
   event.mutable_opened()->set_completion_slots(opened.completion_slots);
   stream->Write(event);
   // Revocations go out on a writer thread; this thread reads until the worker goes away.

@@ -2,8 +2,11 @@
 // device memory), kvferryd another process. Save and Load against the golden vectors and
 // the daemon's gRPC reads, asynchronous completion, invalid requests leaving the pool as
 // it was, pool exports, and a worker killed with SIGKILL.
+#include <cuda.h>
 #include <cuda_runtime_api.h>
+#include <fcntl.h>
 #include <httplib.h>
+#include <unistd.h>
 #include <signal.h>
 
 #include <algorithm>
@@ -93,6 +96,17 @@ class IpcTest : public ::testing::Test {
     return *client_->AllocatePages(name, static_cast<uint32_t>(pages));
   }
 
+  // Token form pairs of golden locations: block loc / page_size of the worker's tensor (one
+  // block per page) and the same slot of pool page pages[loc / page_size].
+  static void PairUp(const std::vector<int64_t>& locs, int page_size,
+                     const std::vector<PageHandle>& pages, std::vector<BlockSlot>& from,
+                     std::vector<TokenLocation>& to) {
+    for (int64_t loc : locs) {
+      from.push_back({static_cast<uint64_t>(loc / page_size), static_cast<uint32_t>(loc % page_size)});
+      to.push_back({pages[loc / page_size], static_cast<uint32_t>(loc % page_size)});
+    }
+  }
+
   client::ClientOptions options_;
   std::unique_ptr<testing::Daemon> daemon_;
   std::unique_ptr<client::Client> client_;
@@ -117,10 +131,7 @@ TEST_F(IpcTest, SaveAndLoadOfBf16RowsMatchTheGoldensByteForByte) {
       const auto pages = NewPool(name, layout, g.page_size, g.num_pages);
       std::vector<BlockSlot> from;
       std::vector<TokenLocation> to;
-      for (int64_t loc : locs) {
-        from.push_back({static_cast<uint64_t>(loc / g.page_size), static_cast<uint32_t>(loc % g.page_size)});
-        to.push_back({pages[loc / g.page_size], static_cast<uint32_t>(loc % g.page_size)});
-      }
+      PairUp(locs, g.page_size, pages, from, to);
       auto saved = session_->Save(tensor, name, 0, from, to);
       ASSERT_TRUE(saved.ok()) << saved.status();
       EXPECT_EQ(*saved, locs.size());
@@ -285,6 +296,136 @@ TEST_F(IpcTest, AsynchronousSaveCompletesThroughItsWord) {
     all.push_back(*p);
   }
   for (auto& p : all) EXPECT_TRUE(p.Wait().ok());
+}
+
+// The driver's virtual memory calls, found at run time (the test links no driver library).
+template <typename Fn>
+Fn Driver(const char* name) {
+  void* f = nullptr;
+  cudaDriverEntryPointQueryResult found;
+  if (cudaGetDriverEntryPointByVersion(name, &f, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    ADD_FAILURE() << "the CUDA driver lacks " << name;
+    return nullptr;
+  }
+  return reinterpret_cast<Fn>(f);
+}
+
+// Worker memory from CUDA's virtual memory API, as PyTorch's expandable segments allocate
+// it: `count` allocations of the minimum granularity with POSIX descriptor handles, mapped
+// back to back into one reserved range. cudaIpcGetMemHandle cannot name it.
+struct VmmRange {
+  explicit VmmRange(int count) {
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = 0;
+    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    EXPECT_EQ(Driver<decltype(&cuMemGetAllocationGranularity)>("cuMemGetAllocationGranularity")(
+                  &granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM),
+              CUDA_SUCCESS);
+    bytes = granularity * count;
+    EXPECT_EQ(Driver<decltype(&cuMemAddressReserve)>("cuMemAddressReserve")(&base, bytes, 0, 0, 0),
+              CUDA_SUCCESS);
+    for (int i = 0; i < count; ++i) {
+      CUmemGenericAllocationHandle h = 0;
+      EXPECT_EQ(Driver<decltype(&cuMemCreate)>("cuMemCreate")(&h, granularity, &prop, 0), CUDA_SUCCESS);
+      EXPECT_EQ(Driver<decltype(&cuMemMap)>("cuMemMap")(base + i * granularity, granularity, 0, h, 0),
+                CUDA_SUCCESS);
+      handles.push_back(h);
+    }
+    CUmemAccessDesc access = {};
+    access.location = prop.location;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    EXPECT_EQ(Driver<decltype(&cuMemSetAccess)>("cuMemSetAccess")(base, bytes, &access, 1), CUDA_SUCCESS);
+    cudaMemset(ptr(), 0, bytes);
+  }
+  ~VmmRange() {
+    cudaDeviceSynchronize();
+    Driver<decltype(&cuMemUnmap)>("cuMemUnmap")(base, bytes);
+    for (CUmemGenericAllocationHandle h : handles) Driver<decltype(&cuMemRelease)>("cuMemRelease")(h);
+    Driver<decltype(&cuMemAddressFree)>("cuMemAddressFree")(base, bytes);
+  }
+  uint8_t* ptr() const { return reinterpret_cast<uint8_t*>(base); }
+  std::vector<uint64_t> sizes() const { return std::vector<uint64_t>(handles.size(), granularity); }
+
+  CUmemAllocationProp prop = {};
+  size_t granularity = 0, bytes = 0;
+  CUdeviceptr base = 0;
+  std::vector<CUmemGenericAllocationHandle> handles;
+};
+
+TEST_F(IpcTest, AVmmTensorAcrossTwoAllocationsSavesAndLoadsInPlace) {
+  const testing::GoldenCase g = testing::LoadGoldenCase("latent_p64");
+  const auto rows = testing::ReadArray<uint16_t>(g.file("input.bf16"));
+  const auto locs = testing::ReadArray<int64_t>(g.file("locs.i64"));
+  VmmRange range(2);
+  ASSERT_GT(range.granularity, 0u);
+  // Dense blocks of one page each, placed so that the tensor straddles the two allocations.
+  const uint64_t block_stride = g.page_size * 1024;
+  const uint64_t extent = g.num_pages * block_stride;
+  ASSERT_LE(extent, range.bytes);
+  const uint64_t start = (range.granularity - extent / 2) / 256 * 256;
+  uint8_t* tensor_ptr = range.ptr() + start;
+  for (size_t i = 0; i < locs.size(); ++i) {
+    ASSERT_EQ(cudaMemcpy(tensor_ptr + locs[i] * 1024, rows.data() + i * 512, 1024, cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
+  KvTensor t{.num_blocks = static_cast<uint64_t>(g.num_pages), .block_tokens = static_cast<uint32_t>(g.page_size),
+             .block_stride = block_stride, .token_stride = 1024, .kind = KvTensor::Kind::kBf16, .name = "vmm"};
+  KvTensor ipc = t;
+  EXPECT_FALSE(client::DescribeDevicePointer(tensor_ptr, ipc).ok() &&
+               session_->RegisterKv(ipc).ok()) << "legacy IPC cannot name VMM memory";
+  ASSERT_TRUE(client::DescribeVmmTensor(range.ptr(), range.sizes(), tensor_ptr, t).ok());
+  ASSERT_EQ(t.vmm_allocations.size(), 2u);
+  EXPECT_EQ(t.offset, start);
+  auto id = session_->RegisterKv(t);
+  client::CloseVmmDescriptors(t);  // the daemon holds its own mapping now
+  ASSERT_TRUE(id.ok()) << id.status();
+  for (Layout layout : testing::AllLayouts()) {
+    const std::string l = LayoutName(layout), name = "vmm." + l;
+    SCOPED_TRACE(name);
+    const auto pages = NewPool(name, layout, g.page_size, g.num_pages);
+    std::vector<BlockSlot> from;
+    std::vector<TokenLocation> to;
+    PairUp(locs, g.page_size, pages, from, to);
+    auto saved = session_->Save(*id, name, 0, from, to);
+    ASSERT_TRUE(saved.ok()) << saved.status();
+    EXPECT_EQ(*client_->ReadPages(name, pages), testing::ReadBytes(g.file("pool." + l + ".bin")));
+    // Load back into the same VMM tensor, over rows cleared first: the dequantized rows.
+    ASSERT_EQ(cudaMemset(tensor_ptr, 0, extent), cudaSuccess);
+    auto loaded = session_->Load(*id, name, 0, to, from);
+    ASSERT_TRUE(loaded.ok()) << loaded.status();
+    std::vector<uint8_t> got(extent);
+    ASSERT_EQ(cudaMemcpy(got.data(), tensor_ptr, extent, cudaMemcpyDeviceToHost), cudaSuccess);
+    const auto expected = testing::ReadBytes(g.file("dequant." + l + ".bf16"));
+    for (size_t i = 0; i < locs.size(); ++i) {
+      ASSERT_TRUE(std::equal(expected.begin() + i * 1024, expected.begin() + (i + 1) * 1024,
+                             got.begin() + locs[i] * 1024)) << "row " << i;
+    }
+    // Leave the inputs for the next layout.
+    for (size_t i = 0; i < locs.size(); ++i) {
+      cudaMemcpy(tensor_ptr + locs[i] * 1024, rows.data() + i * 512, 1024, cudaMemcpyHostToDevice);
+    }
+  }
+  // Refused: a size past the allocation, a descriptor that is no CUDA allocation, a process
+  // the daemon cannot reach; nothing stays mapped (the daemon keeps serving).
+  KvTensor bad = t;
+  ASSERT_TRUE(client::DescribeVmmTensor(range.ptr(), range.sizes(), tensor_ptr, bad).ok());
+  bad.vmm_allocations[1].size = 2 * range.granularity;
+  EXPECT_EQ(client::ErrorReason(session_->RegisterKv(bad).status()), "INVALID_REQUEST");
+  const int not_cuda = open("/dev/null", O_RDONLY);
+  const int real = bad.vmm_allocations[1].fd;
+  bad.vmm_allocations[1] = {not_cuda, range.granularity};
+  EXPECT_EQ(client::ErrorReason(session_->RegisterKv(bad).status()), "INVALID_REQUEST");
+  bad.vmm_allocations[1] = {real, range.granularity};
+  bad.vmm_pid = 0x7FFFFFF0;  // no such process
+  EXPECT_EQ(client::ErrorReason(session_->RegisterKv(bad).status()), "WORKER_NOT_ACCESSIBLE");
+  bad.vmm_pid = static_cast<uint32_t>(getpid());
+  bad.ipc_handle = ipc.ipc_handle.empty() ? std::string(64, 'x') : ipc.ipc_handle;
+  EXPECT_EQ(client::ErrorReason(session_->RegisterKv(bad).status()), "INVALID_REQUEST");
+  close(not_cuda);
+  client::CloseVmmDescriptors(bad);
+  EXPECT_TRUE(client_->DescribePool("vmm.v4").ok());
 }
 
 TEST_F(IpcTest, InvalidSavesAndLoadsChangeNothing) {

@@ -2,6 +2,8 @@
 // freed when the session ends — cleanly or by kill -9 of the worker — and the daemon
 // healthy after.
 #include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <grpcpp/grpcpp.h>
 
@@ -26,6 +28,99 @@ client::ClientOptions Options(const testing::Daemon& d) {
 
 uint64_t PagesUsed(testing::Daemon& d) { return testing::GetStats(d).pools(0).pages_used(); }
 
+
+// VMM memory is taken from the process a request names only when that process proves it is
+// the session's: a descriptor of it that reads the session's secret. Without a GPU the
+// daemon stops right after the proof (the cpu backend maps no VMM memory), which tells a
+// proof that passed (UNKNOWN_DEVICE) from one refused (WORKER_NOT_ACCESSIBLE).
+TEST(SessionVmmTest, NoCallerTakesAProcessesMemoryWithoutItsSessionsSecret) {
+  testing::Daemon d;
+  auto stub = v1::KvSession::NewStub(
+      grpc::CreateChannel(Options(d).target, grpc::InsecureChannelCredentials()));
+  // Two sessions over the raw API, to hold their secrets.
+  struct Opened {
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionEvent>> stream;
+    v1::SessionOpened opened;
+  };
+  auto open = [&](Opened& o) {
+    o.stream = stub->OpenSession(&o.ctx);
+    v1::SessionRequest req;
+    req.mutable_open()->set_worker("vmm");
+    ASSERT_TRUE(o.stream->Write(req));
+    v1::SessionEvent e;
+    ASSERT_TRUE(o.stream->Read(&e));
+    o.opened = e.opened();
+  };
+  Opened a, b;
+  open(a);
+  open(b);
+  ASSERT_EQ(a.opened.session_secret().size(), 32u);
+  ASSERT_NE(a.opened.session_secret(), b.opened.session_secret());
+  auto memfd = [](const std::string& bytes) {
+    const int fd = memfd_create("session-test", MFD_CLOEXEC);
+    EXPECT_EQ(write(fd, bytes.data(), bytes.size()), static_cast<ssize_t>(bytes.size()));
+    return fd;
+  };
+  const int allocation = memfd("not GPU memory: the cpu daemon never maps it");
+  auto register_vmm = [&](uint32_t pid, int proof) {
+    v1::RegisterKvRequest req;
+    req.set_session_id(a.opened.session_id());
+    v1::KvTensor* t = req.add_tensors();
+    t->set_num_blocks(1);
+    t->set_block_tokens(16);
+    t->set_block_stride(16384);
+    t->set_token_stride(1024);
+    t->set_kind(v1::ROW_KIND_BF16);
+    t->set_vmm_pid(pid);
+    t->set_vmm_proof_fd(proof);
+    v1::VmmAllocation* v = t->add_vmm_allocations();
+    v->set_fd(allocation);
+    v->set_size(2 << 20);
+    grpc::ClientContext ctx;
+    v1::RegisterKvResponse resp;
+    const grpc::Status st = stub->RegisterKv(&ctx, req, &resp);
+    EXPECT_FALSE(st.ok());
+    return testing::ReasonOf(ctx);
+  };
+  const uint32_t self = static_cast<uint32_t>(getpid());
+  const int own = memfd(a.opened.session_secret());
+  const std::string with_own = register_vmm(self, own);
+  if (with_own == "WORKER_NOT_ACCESSIBLE") {
+    GTEST_SKIP() << "kvferryd may not take this process's descriptors here (ptrace access)";
+  }
+  // Proved. Then, without a GPU, the daemon has no backend to map with (UNKNOWN_DEVICE); with
+  // one, the driver refuses the memfd as a CUDA allocation (INVALID_REQUEST).
+  const auto proved = [](const std::string& reason) {
+    return reason == "UNKNOWN_DEVICE" || reason == "INVALID_REQUEST";
+  };
+  EXPECT_TRUE(proved(with_own)) << with_own;
+  // Another session's secret, a wrong one, none, a descriptor the process lacks, and a
+  // process that is not there.
+  const int others = memfd(b.opened.session_secret());
+  EXPECT_EQ(register_vmm(self, others), "WORKER_NOT_ACCESSIBLE");
+  std::string wrong = a.opened.session_secret();
+  wrong[0] ^= 1;
+  const int wrong_fd = memfd(wrong);
+  EXPECT_EQ(register_vmm(self, wrong_fd), "WORKER_NOT_ACCESSIBLE");
+  const int empty = memfd("");
+  EXPECT_EQ(register_vmm(self, empty), "WORKER_NOT_ACCESSIBLE");
+  EXPECT_EQ(register_vmm(self, 1 << 20), "INVALID_REQUEST");
+  EXPECT_EQ(register_vmm(0x7FFFFFF0, own), "WORKER_NOT_ACCESSIBLE");
+  // The client library makes the proof itself.
+  auto session = Session::Open(Options(d), "vmm-client", 0);
+  ASSERT_TRUE(session.ok()) << session.status();
+  client::KvTensor t{.num_blocks = 1, .block_tokens = 16, .block_stride = 16384, .token_stride = 1024};
+  t.vmm_pid = self;
+  t.vmm_allocations.push_back({allocation, 2 << 20});
+  const std::string by_client = client::ErrorReason((*session)->RegisterKv(t).status());
+  EXPECT_TRUE(proved(by_client)) << by_client;
+  for (int fd : {allocation, own, others, wrong_fd, empty}) close(fd);
+  for (Opened* o : {&a, &b}) {
+    o->stream->WritesDone();
+    o->ctx.TryCancel();
+  }
+}
 
 TEST(SessionArgsTest, EveryBadRequestIsRefusedWithItsReason) {
   testing::Daemon d;

@@ -70,6 +70,7 @@ struct Session::Impl {
   std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionEvent>> stream;
   std::thread events;
   uint64_t id = 0;
+  std::string secret;  // SessionOpened.session_secret
   std::shared_ptr<Area> area;
   uint32_t slots = 0;
 
@@ -175,6 +176,7 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Open(const ClientOptions& opti
   }
   impl->id = event.opened().session_id();
   impl->slots = event.opened().completion_slots();
+  impl->secret = event.opened().session_secret();
   // The completion words, read-only in this process.
   const int fd = shm_open(event.opened().completion_shm().c_str(), O_RDONLY, 0);
   if (fd < 0) {
@@ -232,8 +234,28 @@ absl::StatusOr<uint64_t> Session::RegisterKv(const KvTensor& t) {
   p->set_kind(t.kind == KvTensor::Kind::kBf16 ? v1::ROW_KIND_BF16 : v1::ROW_KIND_RECORDS);
   p->set_layout(ToProto(t.layout));
   p->set_name(t.name);
+  p->set_vmm_pid(t.vmm_pid);
+  for (const KvTensor::VmmAllocation& a : t.vmm_allocations) {
+    v1::VmmAllocation* v = p->add_vmm_allocations();
+    v->set_fd(a.fd);
+    v->set_size(a.size);
+  }
+  // VMM memory: the daemon takes the descriptors from this process, which proves it is the
+  // session's by a descriptor that reads the session's secret (open for this call only).
+  int proof = -1;
+  if (!t.vmm_allocations.empty()) {
+    proof = memfd_create("kvferry-session-proof", MFD_CLOEXEC);
+    if (proof < 0 || write(proof, impl_->secret.data(), impl_->secret.size()) !=
+                         static_cast<ssize_t>(impl_->secret.size())) {
+      if (proof >= 0) close(proof);
+      return absl::InternalError(absl::StrCat("memfd for the session's proof: ", std::strerror(errno)));
+    }
+    p->set_vmm_proof_fd(proof);
+  }
   v1::RegisterKvResponse resp;
-  KVF_CLIENT_RETURN(impl_->Unary(&v1::KvSession::Stub::RegisterKv, req, &resp));
+  const absl::Status registered = impl_->Unary(&v1::KvSession::Stub::RegisterKv, req, &resp);
+  if (proof >= 0) close(proof);
+  KVF_CLIENT_RETURN(registered);
   if (resp.tensor_ids_size() != 1) return absl::InternalError("RegisterKv answered no tensor id");
   return resp.tensor_ids(0);
 }

@@ -33,6 +33,15 @@ struct KvTensor {
   Kind kind = Kind::kBf16;
   Layout layout = Layout::kV4;  // records
   std::string name;
+  // Instead of ipc_handle, memory of CUDA's virtual memory API: this process's id and, in
+  // address order, a descriptor and the bytes mapped of each allocation backing the range
+  // (see DescribeVmmTensor in cuda_ipc.h); `offset` then counts from the first's start.
+  struct VmmAllocation {
+    int fd = -1;
+    uint64_t size = 0;
+  };
+  uint32_t vmm_pid = 0;
+  std::vector<VmmAllocation> vmm_allocations;
 };
 
 struct BlockSlot {
