@@ -10,7 +10,6 @@
 #include <cstring>
 #include <memory>
 #include <type_traits>
-
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
