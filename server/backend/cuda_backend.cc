@@ -9,7 +9,6 @@
 
 #include <cstring>
 #include <memory>
-#include <type_traits>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -82,20 +81,28 @@ class BlockCache {
 
 class CudaBackend;
 
-// cuMemGetAddressRange from the driver, found at run time so that kvferryd links no driver
-// library (it starts on machines without one and uses the cpu backend there).
+// Driver calls are found at run time so that kvferryd links no driver library (it starts on
+// machines without one and uses the cpu backend there). Sets fn to `name`'s entry point, or
+// returns false.
+template <typename Fn>
+bool FindDriverCall(const char* name, Fn& fn) {
+  void* f = nullptr;
+  cudaDriverEntryPointQueryResult found;
+  if (cudaGetDriverEntryPointByVersion(name, &f, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  fn = reinterpret_cast<Fn>(f);
+  return true;
+}
+
 using AddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
 AddressRangeFn AddressRange() {
   static const AddressRangeFn fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult found;
-    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault,
-                                         &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      return static_cast<AddressRangeFn>(nullptr);
-    }
-    return reinterpret_cast<AddressRangeFn>(f);
+    AddressRangeFn f = nullptr;
+    FindDriverCall("cuMemGetAddressRange", f);
+    return f;
   }();
   return fn;
 }
@@ -104,7 +111,6 @@ AddressRangeFn AddressRange() {
 struct VmmDriver {
   decltype(&cuMemImportFromShareableHandle) import_handle = nullptr;
   decltype(&cuMemGetAllocationPropertiesFromHandle) properties = nullptr;
-  decltype(&cuMemGetAllocationGranularity) granularity = nullptr;
   decltype(&cuMemAddressReserve) reserve = nullptr;
   decltype(&cuMemAddressFree) free_range = nullptr;
   decltype(&cuMemMap) map = nullptr;
@@ -116,24 +122,12 @@ struct VmmDriver {
   static const VmmDriver& Get() {
     static const VmmDriver driver = [] {
       VmmDriver d;
-      auto find = [](const char* name, auto& fn) {
-        void* f = nullptr;
-        cudaDriverEntryPointQueryResult found;
-        if (cudaGetDriverEntryPointByVersion(name, &f, 12000, cudaEnableDefault, &found) !=
-                cudaSuccess ||
-            found != cudaDriverEntryPointSuccess) {
-          cudaGetLastError();
-          return false;
-        }
-        fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(f);
-        return true;
-      };
-      d.ok = find("cuMemImportFromShareableHandle", d.import_handle) &&
-             find("cuMemGetAllocationPropertiesFromHandle", d.properties) &&
-             find("cuMemGetAllocationGranularity", d.granularity) &&
-             find("cuMemAddressReserve", d.reserve) && find("cuMemAddressFree", d.free_range) &&
-             find("cuMemMap", d.map) && find("cuMemUnmap", d.unmap) &&
-             find("cuMemSetAccess", d.set_access) && find("cuMemRelease", d.release);
+      d.ok = FindDriverCall("cuMemImportFromShareableHandle", d.import_handle) &&
+             FindDriverCall("cuMemGetAllocationPropertiesFromHandle", d.properties) &&
+             FindDriverCall("cuMemAddressReserve", d.reserve) &&
+             FindDriverCall("cuMemAddressFree", d.free_range) && FindDriverCall("cuMemMap", d.map) &&
+             FindDriverCall("cuMemUnmap", d.unmap) && FindDriverCall("cuMemSetAccess", d.set_access) &&
+             FindDriverCall("cuMemRelease", d.release);
       return d;
     }();
     return driver;
