@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <fstream>
@@ -155,6 +156,7 @@ class PeerCall {
     finished_ = true;
     stream_->WritesDone();
     deadman_.Arm(idle_);
+    StopWatching();  // the peer ends its side once it read ours
     const grpc::Status s = stream_->Finish();
     deadman_.Disarm();
     finish_status_ = FromPeer(s, context_, deadman_.fired(), peer_);
@@ -162,11 +164,25 @@ class PeerCall {
   }
   void Cancel() {
     context_.TryCancel();
+    StopWatching();
     if (!finished_) {
       finished_ = true;
       stream_->Finish().IgnoreError();
     }
   }
+  // For a side that then waits on UCX alone (a Pull's receiver, whose sender says nothing
+  // more until the bytes are sent): a reader of the stream that returns only when the peer
+  // ends it, so that a sender that failed is heard at once, with its reason (Finish), not
+  // after the idle time. Nothing else reads the stream meanwhile.
+  void WatchForEnd() {
+    watcher_ = std::thread([this] {
+      v1::PeerMessage ignored;
+      while (stream_->Read(&ignored)) {
+      }
+      ended_ = true;
+    });
+  }
+  bool ended() const { return ended_.load(); }
   ~PeerCall() {
     if (!finished_ && stream_ != nullptr) Cancel();
   }
@@ -179,6 +195,12 @@ class PeerCall {
   std::unique_ptr<PeerStream> stream_;
   bool finished_ = false;
   absl::Status finish_status_;
+  std::thread watcher_;
+  std::atomic<bool> ended_{false};
+
+  void StopWatching() {
+    if (watcher_.joinable()) watcher_.join();
+  }
 };
 
 std::vector<int64_t> Layers(const google::protobuf::RepeatedField<uint32_t>& layers,
@@ -511,9 +533,17 @@ absl::Status TransferEngine::Pull(const TenantAccount& tenant, const v1::PullReq
       return receiving.status();
     }
     KVF_RETURN_IF_ERROR(call.Write(ready));
+    call.WatchForEnd();
     absl::StatusOr<int64_t> committed =
-        (*receiving)->Finish(idle(), [&] { return context.IsCancelled(); });
+        (*receiving)->Finish(idle(), [&] { return context.IsCancelled() || call.ended(); });
     if (!committed.ok()) {
+      if (call.ended() && !context.IsCancelled()) {
+        // The sender gave up: its reason, not this side's wait.
+        const absl::Status sender = call.Finish();
+        return sender.ok() ? PeerUnavailable(absl::StrCat("peer ", req.from_address(),
+                                                          " ended the transfer before every page was sent"))
+                           : sender;
+      }
       call.Cancel();
       return committed.status();
     }

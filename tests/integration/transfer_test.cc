@@ -2,6 +2,7 @@
 // transport: TCP, and shared memory.
 #include <sys/wait.h>
 
+#include <atomic>
 #include <chrono>
 #include <fstream>
 #include <future>
@@ -399,6 +400,65 @@ TEST(PeerHostileTest, MalformedOrAbandonedOffersAreRefusedAndLeaveNothingBehind)
   EXPECT_EQ(mute->Finish().error_code(), grpc::StatusCode::CANCELLED);
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - opened).count(), 20);
   EXPECT_TRUE(streams_reach(0));
+}
+
+// A Pull's sender that gives up once the receiver is ready (as a daemon does whose source
+// pages vanish mid-transfer): the receiving daemon, waiting on UCX for bytes that will not
+// come, reports the sender's own status and reason at once, not its idle timeout.
+class SenderThatGivesUp final : public v1::Peer::Service {
+ public:
+  explicit SenderThatGivesUp(uint64_t page_bytes) : page_bytes_(page_bytes) {}
+  grpc::Status Exchange(grpc::ServerContext* context,
+                        grpc::ServerReaderWriter<v1::PeerMessage, v1::PeerMessage>* stream) override {
+    v1::PeerMessage request;
+    if (!stream->Read(&request) || !request.has_request()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "expected a request");
+    }
+    v1::PeerMessage offer;
+    v1::PeerOffer& o = *offer.mutable_offer();
+    o.add_layers(0);
+    o.set_layout(v1::LAYOUT_V41);
+    o.set_page_bytes(page_bytes_);
+    o.set_message_bytes(page_bytes_);
+    o.set_units(request.request().pages_size());
+    stream->Write(offer);
+    v1::PeerMessage ready;
+    if (!stream->Read(&ready) || !ready.has_ready()) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "expected ready");
+    }
+    receiver_ready = true;
+    context->AddTrailingMetadata("kvferry-error-reason", "STALE_PAGE_HANDLE");
+    return grpc::Status(grpc::StatusCode::FAILED_PRECONDITION, "source page 7 was freed mid-transfer");
+  }
+  std::atomic<bool> receiver_ready{false};
+
+ private:
+  const uint64_t page_bytes_;
+};
+
+TEST(PeerHostileTest, APullsSenderThatGivesUpIsHeardWithItsReasonAtOnce) {
+  // An idle time far above what the call may take: only the sender's end can finish it.
+  Daemon d({"--ucx_transports=tcp", "--peer_timeout_seconds=60"});
+  testing::CreatePool(d, "dst", Layout::kV41, 16, 8);
+  const auto dst = AllPages(d, "dst", 4);
+  SenderThatGivesUp sender(PageBytes(Layout::kV41, 16));
+  int port = 0;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&sender);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(port, 0);
+  const Outcome r = Pull(d, "dst", dst, "127.0.0.1:" + std::to_string(port), "src", dst);
+  server->Shutdown();
+  EXPECT_TRUE(sender.receiver_ready);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << r.status.error_message();
+  EXPECT_EQ(r.reason, "STALE_PAGE_HANDLE");
+  EXPECT_NE(r.status.error_message().find("freed mid-transfer"), std::string::npos)
+      << r.status.error_message();
+  // Nothing committed, the staging released, the daemon serving.
+  EXPECT_EQ(StagedBytesSettled(d), 0);
+  EXPECT_EQ(ReadAll(d, "dst", dst), std::string(4 * PageBytes(Layout::kV41, 16), '\0'));
+  EXPECT_TRUE(d.Alive());
 }
 
 TEST(TransferOffTest, ADaemonWithoutUcxSaysSo) {
