@@ -27,7 +27,7 @@ PageTable::PageTable(std::string pool_name, int64_t num_pages, int page_size, in
   // Pop order: page 0 first.
   for (int64_t i = 0; i < num_pages_; ++i) free_list_[i] = num_pages_ - 1 - i;
   written_.assign((num_tokens_ * num_layers_ + 63) / 64, 0);
-  slot_layers_.assign(num_tokens_, 0);
+  held_.assign((num_tokens_ + 63) / 64, 0);
 }
 
 absl::StatusOr<std::vector<PageHandle>> PageTable::Allocate(int64_t count) {
@@ -105,10 +105,22 @@ absl::StatusOr<std::vector<int64_t>> PageTable::Resolve(
 
 absl::StatusOr<std::vector<int64_t>> PageTable::Free(std::span<const PageHandle> handles) {
   kvferry::MutexLock lock(&mu_);
+  // Repeats: a bitmap over the pool's pages for long lists, a hash set for short ones (every
+  // id is in range once its handle checked).
+  std::vector<uint64_t> seen_bits(handles.size() >= 256 ? (num_pages_ + 63) / 64 : 0, 0);
   absl::flat_hash_set<uint64_t> seen;
   for (const PageHandle& h : handles) {
     KVF_RETURN_IF_ERROR(CheckHandleLocked(h));
-    if (!seen.insert(h.page_id).second) {
+    bool repeated;
+    if (!seen_bits.empty()) {
+      uint64_t& word = seen_bits[h.page_id / 64];
+      const uint64_t bit = uint64_t{1} << (h.page_id % 64);
+      repeated = (word & bit) != 0;
+      word |= bit;
+    } else {
+      repeated = !seen.insert(h.page_id).second;
+    }
+    if (repeated) {
       return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kDuplicatePage,
                    absl::StrCat("page ", h.page_id, " is listed twice"));
     }
@@ -311,25 +323,11 @@ void PageTable::MarkPageWritten(int layer, int64_t page) {
   ForEachWord(begin, begin + page_size_, [&](int64_t w, uint64_t mask)
                                              ABSL_NO_THREAD_SAFETY_ANALYSIS {
     uint64_t& word = written_[w];
-    uint64_t fresh = mask & ~word;  // bits newly set: their tokens gain a layer
+    records_held_ += std::popcount(mask & ~word);
     word |= mask;
-    records_held_ += std::popcount(fresh);
-    const int64_t token_at_bit0 = token0 + (w * 64 - begin);  // token of bit 0 of word
-    if (fresh == ~uint64_t{0}) {  // 64 tokens gain a layer: a loop the compiler vectorizes
-      uint16_t* layers = slot_layers_.data() + token_at_bit0;
-      int64_t newly_held = 0;
-      for (int k = 0; k < 64; ++k) newly_held += layers[k] == 0;
-      for (int k = 0; k < 64; ++k) ++layers[k];
-      tokens_held_ += newly_held;
-      fresh = 0;
-    }
-    while (fresh != 0) {
-      const int64_t token = token_at_bit0 + std::countr_zero(fresh);
-      if (slot_layers_[token]++ == 0) ++tokens_held_;
-      fresh &= fresh - 1;
-    }
     return true;
   });
+  MarkHeld(token0, token0 + page_size_);
 }
 
 void PageTable::MarkWritten(int layer, int64_t token) {
@@ -338,19 +336,39 @@ void PageTable::MarkWritten(int layer, int64_t token) {
   const uint64_t mask = uint64_t{1} << (bit % 64);
   if (word & mask) return;
   word |= mask;
-  if (slot_layers_[token]++ == 0) ++tokens_held_;
   ++records_held_;
+  MarkHeld(token, token + 1);
+}
+
+void PageTable::MarkHeld(int64_t begin, int64_t end) {
+  ForEachWord(begin, end, [&](int64_t w, uint64_t mask) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    tokens_held_ += std::popcount(mask & ~held_[w]);
+    held_[w] |= mask;
+    return true;
+  });
 }
 
 void PageTable::ForgetRecords(int64_t page) {
-  for (int64_t t = page * page_size_; t < (page + 1) * page_size_; ++t) {
-    if (slot_layers_[t] > 0) --tokens_held_;
-    records_held_ -= slot_layers_[t];
-    slot_layers_[t] = 0;
-    for (int layer = 0; layer < num_layers_; ++layer) {
-      const int64_t bit = Bit(layer, t);
-      written_[bit / 64] &= ~(uint64_t{1} << (bit % 64));
-    }
+  // Bits only, a word at a time: a token holds a record of some layer exactly when its held
+  // bit is set, so a page with none held has no layer bit to clear.
+  const int64_t token0 = page * page_size_;
+  int64_t held = 0;
+  ForEachWord(token0, token0 + page_size_, [&](int64_t w, uint64_t mask)
+                                               ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    held += std::popcount(held_[w] & mask);
+    held_[w] &= ~mask;
+    return true;
+  });
+  if (held == 0) return;
+  tokens_held_ -= held;
+  for (int layer = 0; layer < num_layers_; ++layer) {
+    const int64_t begin = Bit(layer, token0);
+    ForEachWord(begin, begin + page_size_, [&](int64_t w, uint64_t mask)
+                                               ABSL_NO_THREAD_SAFETY_ANALYSIS {
+      records_held_ -= std::popcount(written_[w] & mask);
+      written_[w] &= ~mask;
+      return true;
+    });
   }
 }
 

@@ -104,6 +104,8 @@ class PageTable {
   // Every slot of `page` in `layer`, a 64-bit word of occupancy bits at a time.
   void MarkPageWritten(int layer, int64_t page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void ForgetRecords(int64_t page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Sets the held bits of tokens [begin, end), counting the newly held.
+  void MarkHeld(int64_t begin, int64_t end) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops the pin of one page; true when the page now waits only for zeroing.
   bool Release(int64_t page, bool exclusive) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int64_t Bit(int layer, int64_t token) const { return layer * num_tokens_ + token; }
@@ -121,7 +123,8 @@ class PageTable {
   int64_t reclaiming_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<int64_t> unzeroed_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> written_ ABSL_GUARDED_BY(mu_);      // bits [layer][token]
-  std::vector<uint16_t> slot_layers_ ABSL_GUARDED_BY(mu_);  // layers written per token
+  // bits [token]: some layer holds a record there (the OR of the token's bits in written_)
+  std::vector<uint64_t> held_ ABSL_GUARDED_BY(mu_);
   int64_t tokens_held_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t records_held_ ABSL_GUARDED_BY(mu_) = 0;
   bool deleted_ ABSL_GUARDED_BY(mu_) = false;

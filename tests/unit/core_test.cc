@@ -1,6 +1,8 @@
 // The core in process, on the cpu backend: page table, staged writes, readers, the pool
 // manager, and every failure of a fault-injecting backend leaving the pool as it was.
 #include <cstring>
+#include <random>
+#include <set>
 #include <thread>
 
 #include "backend/cpu_backend.h"
@@ -180,6 +182,64 @@ TEST(PageTableTest, WholePagesMarkedByWordsEqualTheSameTokensMarkedOneByOne) {
       for (int64_t p = 0; p < num_pages; ++p) {
         EXPECT_EQ(any[p] != 0, !tokens.WrittenSlots(l, {&all[p], 1}).empty()) << "layer " << l << " page " << p;
       }
+    }
+  }
+}
+
+// The counts against a plain set of (layer, token) records, through random token writes,
+// whole-page writes and frees, with tokens written in several layers.
+TEST(PageTableTest, HeldTokensAndRecordsFollowASetOfRecordsThroughWritesAndFrees) {
+  for (const int page_size : {1, 16, 48, 64, 128}) {
+    SCOPED_TRACE(page_size);
+    const int64_t num_pages = 40;
+    const int layers = 3;
+    PageTable table("m", num_pages, page_size, layers, 1);
+    std::vector<PageHandle> handles = *table.Allocate(num_pages);
+    std::set<std::pair<int, int64_t>> records;  // (layer, token)
+    std::mt19937 random(page_size);
+    for (int step = 0; step < 400; ++step) {
+      const int64_t p = random() % num_pages;
+      const int layer = static_cast<int>(random() % layers);
+      PageTable::Pin pin = *table.PinPages({&handles[p], 1}, true);
+      switch (random() % 3) {
+        case 0: {  // a few tokens of the page
+          std::vector<int64_t> tokens;
+          for (int k = 0; k < 3; ++k) tokens.push_back(p * page_size + random() % page_size);
+          table.Unpin(pin, layer, tokens);
+          for (int64_t t : tokens) records.insert({layer, t});
+          break;
+        }
+        case 1: {  // the whole page
+          const std::vector<int> in_layer = {layer};
+          const std::vector<int64_t> ids = {p};
+          table.UnpinWrittenPages(pin, in_layer, ids);
+          for (int s = 0; s < page_size; ++s) records.insert({layer, p * page_size + s});
+          break;
+        }
+        default: {  // freed, and allocated again
+          table.Unpin(pin);
+          const std::vector<int64_t> zero = *table.Free({&handles[p], 1});
+          table.Reclaimed(zero);
+          handles[p] = table.Allocate(1)->at(0);
+          std::erase_if(records, [&](const auto& r) { return r.second / page_size == p; });
+          ASSERT_EQ(static_cast<int64_t>(handles[p].page_id), p);  // the only free page
+          break;
+        }
+      }
+      std::set<int64_t> tokens;
+      for (const auto& r : records) tokens.insert(r.second);
+      const PageTable::Counts c = table.counts();
+      ASSERT_EQ(c.records_held, static_cast<int64_t>(records.size())) << "step " << step;
+      ASSERT_EQ(c.tokens_held, static_cast<int64_t>(tokens.size())) << "step " << step;
+    }
+    std::vector<int64_t> all(num_pages);
+    for (int64_t p = 0; p < num_pages; ++p) all[p] = p;
+    for (int l = 0; l < layers; ++l) {
+      std::vector<int64_t> expected;  // i * page_size + slot over all pages in order
+      for (const auto& r : records) {
+        if (r.first == l) expected.push_back(r.second);
+      }
+      EXPECT_EQ(table.WrittenSlots(l, all), expected) << "layer " << l;
     }
   }
 }
