@@ -62,6 +62,14 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   // write-heavy run. kvferry's lock annotations are checked by clang's -Wthread-safety, and
   // its locking by ThreadSanitizer, in the test command instead.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  if (options.malloc_top_pad_bytes > 0) {
+    // glibc grows and shrinks each heap by what a call needs (plus 128 KiB): a request of a
+    // few hundred KiB (a Save naming 16384 pages) then faults fresh pages in on every call.
+    // A larger top pad keeps that much at each heap's top. It is not a trim threshold on
+    // purpose: the periodic malloc_trim cannot shrink the tops of the other threads' heaps,
+    // so whatever stays there stays (bench/RESULTS.md).
+    mallopt(M_TOP_PAD, static_cast<int>(options.malloc_top_pad_bytes));
+  }
   std::unique_ptr<Daemon> d(new Daemon());
   Daemon* raw = d.get();
   // Budgets: defaults from the host's memory, refusals counted by the metrics.

@@ -81,6 +81,10 @@ struct DaemonOptions {
   // Every this many seconds glibc is asked to return free heap memory to the system
   // (malloc_trim); 0: never.
   double malloc_trim_seconds = 0;
+  // Free memory glibc keeps at the top of each heap (M_TOP_PAD) when it grows or shrinks
+  // one: request buffers of hundreds of KiB then reuse memory rather than fault fresh pages
+  // in on every call. 0: glibc's own (128 KiB).
+  int64_t malloc_top_pad_bytes = 0;
 };
 
 class MemoryTrimmer;

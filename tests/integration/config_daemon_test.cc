@@ -134,6 +134,17 @@ TEST_F(ConfigDaemonTest, CheckConfigAppliesTheDaemonsOwnRules) {
   EXPECT_NE(r.err.find("--max_message_bytes must exceed --chunk_bytes"), std::string::npos) << r.err;
 }
 
+TEST_F(ConfigDaemonTest, HeapKeptForReuseIsBounded) {
+  for (const char* value : {"-1", "67108865"}) {
+    const Exit r = Kvferryd(std::string("--check-config=") + GoodConfig() + " --malloc_top_pad_bytes=" + value);
+    EXPECT_EQ(r.code, 2) << value;
+    EXPECT_NE(r.err.find("--malloc_top_pad_bytes must be within 0 and 64 MiB"), std::string::npos) << r.err;
+  }
+  const Exit r = Kvferryd(std::string("--check-config=") + GoodConfig() + " --malloc_top_pad_bytes=0");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("malloc_top_pad_bytes = 0  # flag"), std::string::npos) << r.out;
+}
+
 TEST_F(ConfigDaemonTest, StartUpFailsOnAnUnknownKey) {
   const std::string path = Write("typo.toml", "cpu_threads = 1\nlisten_adress = \"127.0.0.1:0\"\n");
   const Exit r = Kvferryd("--listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 --config=" + path);
