@@ -3,7 +3,7 @@
 // measured in the same run; and the latency of a 64-token Save/Load through the rpc and
 // through the completion word, next to WriteTokens/ReadWorkspace of the same tokens.
 //
-// Usage: ipc_bench --daemon PATH [--tokens N] [--reps R] [--layout v41]
+// Usage: ipc_bench --daemon PATH [--tokens N] [--reps R] [--layout v41] [--daemon-log-level L] [--daemon-arg FLAG]...
 #include <cuda_runtime_api.h>
 #include <httplib.h>
 #include <signal.h>
@@ -51,6 +51,8 @@ double TimeMedian(int reps, F&& f) {
 
 int Main(int argc, char** argv) {
   std::string daemon;
+  std::string log_level = "warn";  // debug: the daemon logs where each call's host time goes
+  std::vector<std::string> daemon_args;  // more flags for kvferryd
   int64_t tokens = 1 << 20;
   int reps = 5;
   std::string layout_name = "v41";
@@ -59,6 +61,8 @@ int Main(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--tokens")) tokens = std::atoll(argv[i + 1]);
     if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
     if (!std::strcmp(argv[i], "--layout")) layout_name = argv[i + 1];
+    if (!std::strcmp(argv[i], "--daemon-log-level")) log_level = argv[i + 1];
+    if (!std::strcmp(argv[i], "--daemon-arg")) daemon_args.push_back(argv[i + 1]);
   }
   Layout layout;
   client::Layout client_layout;
@@ -73,9 +77,14 @@ int Main(int argc, char** argv) {
   const std::string ports = std::string(dir) + "/ports";
   const pid_t child = fork();
   if (child == 0) {
-    execl(daemon.c_str(), daemon.c_str(), "--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0",
-          ("--port_file=" + ports).c_str(), "--default_device=cuda:0", "--log_level=warn",
-          "--max_message_bytes=268435456", nullptr);
+    std::vector<std::string> args = {daemon, "--listen=127.0.0.1:0", "--metrics_listen=127.0.0.1:0",
+                                     "--port_file=" + ports, "--default_device=cuda:0",
+                                     "--log_level=" + log_level, "--max_message_bytes=268435456"};
+    args.insert(args.end(), daemon_args.begin(), daemon_args.end());
+    std::vector<char*> argp;
+    for (std::string& a : args) argp.push_back(a.data());
+    argp.push_back(nullptr);
+    execv(daemon.c_str(), argp.data());
     _exit(127);
   }
   int port = 0, metrics_port = 0;
@@ -245,6 +254,7 @@ int Main(int argc, char** argv) {
   std::vector<uint16_t> r64(rows.begin(), rows.begin() + n * 512);
   std::printf("| 64 tokens | median latency |\n|---|---|\n");
   auto row = [&](const char* what, double s) { std::printf("| %s | %.1f µs |\n", what, s * 1e6); };
+  row("Health rpc (nothing to do: the rpc alone)", TimeMedian(lat_reps, [&] { return c->Health().ok(); }));
   row("Save, rpc (returns when stored)", TimeMedian(lat_reps, [&] { return (*session)->Save(tensor, "bench", 0, f64, t64).ok(); }));
   row("Save, async + completion word", TimeMedian(lat_reps, [&] {
         auto p = (*session)->SaveAsync(tensor, "bench", 0, f64, t64);

@@ -13,8 +13,10 @@
 #include <tuple>
 
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "common/errors.h"
+#include "common/log.h"
 #include "common/worker_process.h"
 #include "kvferry/kernels/status_macros.h"
 
@@ -103,13 +105,13 @@ struct SessionManager::Session {
   std::shared_ptr<TenantAccount> owner;
   std::string worker;
   std::string device;  // "cuda:N"
-  std::string shm_name;
   std::string secret;
   uint64_t* words = nullptr;
   uint32_t slots = 0;
 
   kvferry::Mutex mu;
   bool closed ABSL_GUARDED_BY(mu) = false;
+  std::string shm_name ABSL_GUARDED_BY(mu);  // until the worker mapped the area
   absl::flat_hash_map<uint64_t, std::shared_ptr<Tensor>> tensors ABSL_GUARDED_BY(mu);
   struct Export {
     std::shared_ptr<Pool> pool;
@@ -120,7 +122,12 @@ struct SessionManager::Session {
 
   ~Session() {
     if (words != nullptr) munmap(words, slots * sizeof(uint64_t));
+    kvferry::MutexLock lock(&mu);
+    Unlink();
+  }
+  void Unlink() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     if (!shm_name.empty()) shm_unlink(shm_name.c_str());
+    shm_name.clear();
   }
   // Readers poll with acquire loads: everything the operation did is visible once they
   // see the word.
@@ -186,19 +193,26 @@ absl::StatusOr<SessionManager::Opened> SessionManager::Open(std::shared_ptr<Tena
     session->id = next_session_++;
   }
   session->slots = slots;
-  session->secret.resize(32);
-  if (getrandom(session->secret.data(), session->secret.size(), 0) !=
-      static_cast<ssize_t>(session->secret.size())) {
+  // 32 bytes of secret, 16 for the completion area's name.
+  std::string random(48, '\0');
+  if (getrandom(random.data(), random.size(), 0) != static_cast<ssize_t>(random.size())) {
     return Error(absl::StatusCode::kInternal, ErrorReason::kInternalError,
                  absl::StrCat("getrandom for the session's secret: ", std::strerror(errno)));
   }
-  session->shm_name = absl::StrCat("/kvferry-", getpid(), "-", session->id);
+  session->secret = random.substr(0, 32);
   // Readable by the worker (possibly another user in another container), written only here.
-  const int fd = shm_open(session->shm_name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0644);
+  // The random part makes the name impossible to guess, so nobody can create it first (the
+  // create is exclusive); the worker's `mapped` removes it.
+  const std::string name = absl::StrCat("/kvferry-", getpid(), "-", session->id, "-",
+                                        absl::BytesToHexString(random.substr(32)));
+  const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0644);
   if (fd < 0) {
-    session->shm_name.clear();
     return Error(absl::StatusCode::kInternal, ErrorReason::kInternalError,
                  absl::StrCat("shm_open for the completion area: ", std::strerror(errno)));
+  }
+  {
+    kvferry::MutexLock lock(&session->mu);
+    session->shm_name = name;
   }
   const size_t bytes = slots * sizeof(uint64_t);
   void* map = MAP_FAILED;
@@ -213,7 +227,19 @@ absl::StatusOr<SessionManager::Opened> SessionManager::Open(std::shared_ptr<Tena
   session->words = static_cast<uint64_t*>(map);
   kvferry::MutexLock lock(&mu_);
   sessions_[session->id] = session;
-  return Opened{session->id, session->shm_name, slots, session->secret};
+  return Opened{session->id, name, slots, session->secret};
+}
+
+void SessionManager::CompletionMapped(uint64_t session_id) {
+  std::shared_ptr<Session> session;
+  {
+    kvferry::MutexLock lock(&mu_);
+    auto it = sessions_.find(session_id);
+    if (it == sessions_.end()) return;
+    session = it->second;
+  }
+  kvferry::MutexLock lock(&session->mu);
+  session->Unlink();
 }
 
 void SessionManager::Close(uint64_t session_id) {
@@ -433,6 +459,9 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
   uint64_t bytes_moved = 0;
   PageTable::Pin pin;
   std::function<absl::Status(const absl::Status&)> finish;  // after the device work
+  // Where the host time of one call goes (logged at debug level): checks, pinning, staging
+  // and launching before the device work, releasing after it.
+  std::chrono::steady_clock::time_point checked_at, pinned_at;
 
   if (!records) {
     // Per token: the row's element offset in the tensor's allocation, and the pool location;
@@ -504,7 +533,9 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
       return {e.row_offsets, e.locs};
     };
     const int64_t lists_bytes = 2 * AlignUp(static_cast<int64_t>(page_ids.size()) * 8 + 8, 256);
+    checked_at = std::chrono::steady_clock::now();
     KVF_ASSIGN_OR_RETURN(pin, pool->table().PinPages(handles, /*exclusive=*/save));
+    pinned_at = std::chrono::steady_clock::now();
     tokens = n;
     bytes_moved = n * (kBf16RowBytes + GetLayoutInfo(g.layout).bytes_per_token());
     if (save) {
@@ -601,7 +632,9 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
     const int64_t n = static_cast<int64_t>(page_ids.size());
     std::vector<int64_t> flat(n);
     for (int64_t i = 0; i < n; ++i) flat[i] = r.layer * g.num_pages + page_ids[i];
+    checked_at = std::chrono::steady_clock::now();
     KVF_ASSIGN_OR_RETURN(pin, pool->table().PinPages(r.pages, /*exclusive=*/save));
+    pinned_at = std::chrono::steady_clock::now();
     tokens = n * page_size;
     bytes_moved = 2 * n * g.page_bytes();
     std::vector<int64_t> src_locs, dst_locs;
@@ -663,6 +696,7 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
   }
 
   const char* op = save ? "save" : "load";
+  const auto staged_at = std::chrono::steady_clock::now();
   absl::StatusOr<Completion> submitted = backend.Submit(ops);
   if (!submitted.ok()) {
     // Nothing ran past the failed launch; the finishing step releases the pins.
@@ -673,11 +707,22 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
   auto done = std::make_shared<Completion>(std::move(*submitted));
   const auto submitted_at = std::chrono::steady_clock::now();
   auto complete = [done, finish, tensor, pool, observer = observer_, op, bytes_moved, start,
-                   submitted_at, hold = r.hold]() {
+                   checked_at, pinned_at, staged_at, submitted_at, tokens, hold = r.hold]() {
     absl::Status ran = WithReason(done->Wait(), ErrorReason::kDeviceError);
+    const auto waited_at = std::chrono::steady_clock::now();
     // The device part alone (kvferry_kernel_seconds{op="save"|"load"}).
-    pool->ObserveOp(op, std::chrono::duration<double>(std::chrono::steady_clock::now() - submitted_at).count());
+    pool->ObserveOp(op, std::chrono::duration<double>(waited_at - submitted_at).count());
     const absl::Status s = finish(ran);
+    if (spdlog::should_log(spdlog::level::debug)) {
+      const auto ms = [](auto from, auto to) {
+        return std::chrono::duration<double, std::milli>(to - from).count();
+      };
+      log::Debug("session {} of {} tokens: checks {:.3f} ms, pinning {:.3f}, staging {:.3f}, "
+                 "launch {:.3f}, device {:.3f}, release {:.3f}",
+                 op, tokens, ms(start, checked_at), ms(checked_at, pinned_at),
+                 ms(pinned_at, staged_at), ms(staged_at, submitted_at), ms(submitted_at, waited_at),
+                 ms(waited_at, std::chrono::steady_clock::now()));
+    }
     if (observer != nullptr) {
       observer->RecordTransfer(
           op, s.ok(), s.ok() ? bytes_moved : 0,

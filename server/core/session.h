@@ -128,6 +128,8 @@ class SessionManager {
                               uint32_t device, uint32_t slots);
   // Ends the session; unknown ids are ignored.
   void Close(uint64_t session_id);
+  // The worker mapped the session's completion area: its name is removed.
+  void CompletionMapped(uint64_t session_id);
   // Events for the session's stream (export revocations): blocks until one is there or the
   // session is closed (then nullopt).
   std::optional<Revocation> NextRevocation(uint64_t session_id);

@@ -2,12 +2,17 @@
 // freed when the session ends — cleanly or by kill -9 of the worker — and the daemon
 // healthy after.
 #include <signal.h>
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <grpcpp/grpcpp.h>
 
+#include <chrono>
 #include <cstdio>
+#include <filesystem>
+#include <regex>
+#include <thread>
 
 #include "daemon_harness.h"
 #include "metrics_scrape.h"
@@ -120,6 +125,87 @@ TEST(SessionVmmTest, NoCallerTakesAProcessesMemoryWithoutItsSessionsSecret) {
     o->stream->WritesDone();
     o->ctx.TryCancel();
   }
+}
+
+// The completion area's name cannot be guessed (so nobody creates it first), and it is
+// gone once the worker mapped the area — or, for a worker that never says so, once the
+// session ends.
+TEST(SessionCompletionTest, TheAreasNameIsUnguessableAndRemovedOnceMapped) {
+  testing::Daemon d;
+  auto stub = v1::KvSession::NewStub(
+      grpc::CreateChannel(Options(d).target, grpc::InsecureChannelCredentials()));
+  auto exists = [](const std::string& name) {
+    const int fd = shm_open(name.c_str(), O_RDONLY, 0);
+    if (fd >= 0) close(fd);
+    return fd >= 0;
+  };
+  // Polls for the daemon's handling of a message on the stream.
+  auto gone = [&](const std::string& name) {
+    for (int i = 0; i < 100 && exists(name); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return !exists(name);
+  };
+  struct Raw {
+    grpc::ClientContext ctx;
+    std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionEvent>> stream;
+    std::string name;
+  };
+  auto open = [&](Raw& r) {
+    r.stream = stub->OpenSession(&r.ctx);
+    v1::SessionRequest req;
+    req.mutable_open()->set_worker("names");
+    ASSERT_TRUE(r.stream->Write(req));
+    v1::SessionEvent e;
+    ASSERT_TRUE(r.stream->Read(&e));
+    r.name = e.opened().completion_shm();
+  };
+  Raw a, b;
+  open(a);
+  open(b);
+  ASSERT_TRUE(exists(a.name)) << a.name;
+  ASSERT_TRUE(exists(b.name)) << b.name;
+  // /kvferry-PID-ID-HEX: 32 hex digits (128 bits) that differ between sessions.
+  const std::regex form(R"(/kvferry-[0-9]+-[0-9]+-([0-9a-f]{32}))");
+  std::smatch ma, mb;
+  ASSERT_TRUE(std::regex_match(a.name, ma, form)) << a.name;
+  ASSERT_TRUE(std::regex_match(b.name, mb, form)) << b.name;
+  EXPECT_NE(ma[1].str(), mb[1].str());
+  // a maps and says so: its name goes while its session lives on.
+  v1::SessionRequest mapped;
+  mapped.mutable_mapped();
+  ASSERT_TRUE(a.stream->Write(mapped));
+  EXPECT_TRUE(gone(a.name));
+  EXPECT_TRUE(exists(b.name));
+  // b never says so: its name goes with the session.
+  v1::SessionRequest bye;
+  bye.mutable_close();
+  b.stream->Write(bye);
+  b.stream->WritesDone();
+  v1::SessionEvent ignored;
+  while (b.stream->Read(&ignored)) {
+  }
+  EXPECT_TRUE(b.stream->Finish().ok());
+  EXPECT_TRUE(gone(b.name));
+  a.stream->WritesDone();
+  while (a.stream->Read(&ignored)) {
+  }
+  a.stream->Finish();
+  // The client library says so as soon as it has mapped the area: no kvferry area is left
+  // under /dev/shm for this daemon while its session is open.
+  auto session = Session::Open(Options(d), "library", 0);
+  ASSERT_TRUE(session.ok()) << session.status();
+  const std::string prefix = "kvferry-" + std::to_string(d.pid()) + "-";
+  auto areas = [&] {
+    int n = 0;
+    for (const auto& entry : std::filesystem::directory_iterator("/dev/shm")) {
+      n += entry.path().filename().string().rfind(prefix, 0) == 0;
+    }
+    return n;
+  };
+  for (int i = 0; i < 100 && areas() > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(areas(), 0);
+  EXPECT_TRUE((*session)->Close().ok());
 }
 
 TEST(SessionArgsTest, EveryBadRequestIsRefusedWithItsReason) {

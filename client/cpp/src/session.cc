@@ -191,6 +191,10 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Open(const ClientOptions& opti
   if (map == MAP_FAILED) return absl::InternalError("cannot map the completion area");
   area->words = static_cast<const uint64_t*>(map);
   impl->area = std::move(area);
+  // Mapped: the daemon may remove the area's name (no other process opens it then).
+  v1::SessionRequest mapped;
+  mapped.mutable_mapped();
+  impl->stream->Write(mapped);
   {
     absl::MutexLock lock(&impl->mu);
     impl->busy.assign(impl->slots, false);
