@@ -1,6 +1,8 @@
 #include "common/worker_process.h"
 
 #include <errno.h>
+#include <linux/magic.h>
+#include <sys/statfs.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -43,6 +45,17 @@ absl::StatusOr<int> WorkerProcess::TakeFd(int fd) const {
 absl::Status WorkerProcess::Proves(int fd, const std::string& secret) const {
   absl::StatusOr<int> taken = TakeFd(fd);
   if (!taken.ok()) return taken.status();
+  // Only memory is read: a descriptor of a file elsewhere (FUSE, NFS, a device) could make
+  // the read wait for as long as the worker likes, holding this handler's thread.
+  struct statfs fs;
+  if (fstatfs(*taken, &fs) != 0 ||
+      (fs.f_type != TMPFS_MAGIC && fs.f_type != HUGETLBFS_MAGIC)) {
+    close(*taken);
+    return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kWorkerNotAccessible,
+                 absl::StrCat("descriptor ", fd, " of worker process ", pid_,
+                              " is not memory (a memfd or a tmpfs file): it cannot prove the "
+                              "process belongs to this session"));
+  }
   std::string got(secret.size() + 1, '\0');
   const ssize_t n = pread(*taken, got.data(), got.size(), 0);
   close(*taken);

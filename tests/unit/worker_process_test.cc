@@ -3,9 +3,13 @@
 // process plays the worker (a process may always take its own descriptors).
 #include "common/worker_process.h"
 
+#include <fcntl.h>
+#include <linux/magic.h>
 #include <sys/mman.h>
+#include <sys/statfs.h>
 #include <unistd.h>
 
+#include <fstream>
 #include <string>
 
 #include "common/errors.h"
@@ -57,6 +61,42 @@ TEST(WorkerProcessTest, TakesDescriptorsAndChecksTheSecret) {
   close(good);
   close(longer);
   close(shorter);
+}
+
+// A proof is read only from memory: the secret in a file on a disk file system (which a
+// FUSE mount could make wait forever) or in a pipe does not count.
+TEST(WorkerProcessTest, OnlyMemoryCanHoldTheProof) {
+  auto self = WorkerProcess::Open(static_cast<uint32_t>(getpid()));
+  if (!self.ok()) GTEST_SKIP() << "pidfd_open is not available here: " << self.status();
+  const std::string secret(32, '\x33');
+  const int memfd = Memfd(secret);
+  const absl::Status with_memfd = (*self)->Proves(memfd, secret);
+  close(memfd);
+  if (!with_memfd.ok()) GTEST_SKIP() << "pidfd_getfd is not permitted here: " << with_memfd;
+  // The test's working directory (the build tree) as the disk.
+  const std::string path = "worker-process-test-proof";
+  {
+    std::ofstream(path) << secret;
+  }
+  const int file = open(path.c_str(), O_RDONLY);
+  ASSERT_GE(file, 0);
+  struct statfs fs;
+  ASSERT_EQ(fstatfs(file, &fs), 0);
+  if (fs.f_type != TMPFS_MAGIC) {
+    const absl::Status s = (*self)->Proves(file, secret);
+    EXPECT_STREQ(NameOf(s), "WORKER_NOT_ACCESSIBLE");
+    EXPECT_NE(s.message().find("is not memory"), std::string::npos) << s;
+  }
+  close(file);
+  unlink(path.c_str());
+  int pipe_fds[2];
+  ASSERT_EQ(pipe(pipe_fds), 0);
+  ASSERT_EQ(write(pipe_fds[1], secret.data(), secret.size()), static_cast<ssize_t>(secret.size()));
+  const absl::Status s = (*self)->Proves(pipe_fds[0], secret);
+  EXPECT_STREQ(NameOf(s), "WORKER_NOT_ACCESSIBLE");
+  EXPECT_NE(s.message().find("is not memory"), std::string::npos) << s;
+  close(pipe_fds[0]);
+  close(pipe_fds[1]);
 }
 
 TEST(WorkerProcessTest, AProcessThatIsNotThereIsNotAccessible) {
