@@ -3,6 +3,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <chrono>
 #include <string>
 #include <string_view>
 
@@ -11,6 +12,12 @@ namespace kvferry::server::log {
 // A client-chosen string made safe for one log line: control characters, quotes and
 // backslashes escaped, at most 128 bytes kept (then "..."), in double quotes.
 std::string Quoted(std::string_view text);
+
+// Milliseconds between two instants, for timings in debug lines.
+inline double Millis(std::chrono::steady_clock::time_point from,
+                     std::chrono::steady_clock::time_point to) {
+  return std::chrono::duration<double, std::milli>(to - from).count();
+}
 
 // Sets the level from "trace", "debug", "info", "warn", "error" or "off"; false if unknown.
 bool Init(const std::string& level);

@@ -201,8 +201,9 @@ absl::StatusOr<SessionManager::Opened> SessionManager::Open(std::shared_ptr<Tena
   }
   session->secret = random.substr(0, 32);
   // Readable by the worker (possibly another user in another container), written only here.
-  // The random part makes the name impossible to guess, so nobody can create it first (the
-  // create is exclusive); the worker's `mapped` removes it.
+  // The random part keeps anyone from creating the name first (the create is exclusive and
+  // the name cannot be guessed); a local user who lists /dev/shm can still open it
+  // read-only until the worker's `mapped` removes it.
   const std::string name = absl::StrCat("/kvferry-", getpid(), "-", session->id, "-",
                                         absl::BytesToHexString(random.substr(32)));
   const int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0644);
@@ -255,6 +256,7 @@ void SessionManager::Close(uint64_t session_id) {
   {
     kvferry::MutexLock lock(&session->mu);
     session->closed = true;
+    session->Unlink();  // work still in flight keeps the mapping, not the name
     session->tensors.clear();   // mappings close once running work lets go of them
     session->exports.clear();   // a deleted pool's memory goes with its last export
     pages.swap(session->pages);
@@ -714,14 +716,12 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
     pool->ObserveOp(op, std::chrono::duration<double>(waited_at - submitted_at).count());
     const absl::Status s = finish(ran);
     if (spdlog::should_log(spdlog::level::debug)) {
-      const auto ms = [](auto from, auto to) {
-        return std::chrono::duration<double, std::milli>(to - from).count();
-      };
       log::Debug("session {} of {} tokens: checks {:.3f} ms, pinning {:.3f}, staging {:.3f}, "
                  "launch {:.3f}, device {:.3f}, release {:.3f}",
-                 op, tokens, ms(start, checked_at), ms(checked_at, pinned_at),
-                 ms(pinned_at, staged_at), ms(staged_at, submitted_at), ms(submitted_at, waited_at),
-                 ms(waited_at, std::chrono::steady_clock::now()));
+                 op, tokens, log::Millis(start, checked_at), log::Millis(checked_at, pinned_at),
+                 log::Millis(pinned_at, staged_at), log::Millis(staged_at, submitted_at),
+                 log::Millis(submitted_at, waited_at),
+                 log::Millis(waited_at, std::chrono::steady_clock::now()));
     }
     if (observer != nullptr) {
       observer->RecordTransfer(

@@ -98,11 +98,8 @@ grpc::Status SessionService::Handle(grpc::ServerContext* context, Body&& body) c
   grpc::Status status = ToGrpcStatus(context, body(**tenant));
   if (spdlog::should_log(spdlog::level::debug)) {
     // With the client's own timing, what the rpc itself costs (transport, parsing).
-    const auto ms = [](auto from, auto to) {
-      return std::chrono::duration<double, std::milli>(to - from).count();
-    };
     log::Debug("session rpc handled in {:.3f} ms (authentication {:.3f} ms)",
-               ms(start, std::chrono::steady_clock::now()), ms(start, authenticated));
+               log::Millis(start, std::chrono::steady_clock::now()), log::Millis(start, authenticated));
   }
   return status;
 }

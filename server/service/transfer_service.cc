@@ -534,10 +534,14 @@ absl::Status TransferEngine::Pull(const TenantAccount& tenant, const v1::PullReq
     }
     KVF_RETURN_IF_ERROR(call.Write(ready));
     call.WatchForEnd();
-    absl::StatusOr<int64_t> committed =
-        (*receiving)->Finish(idle(), [&] { return context.IsCancelled() || call.ended(); });
+    bool sender_ended = false;  // the wait stopped because the sender's stream ended
+    absl::StatusOr<int64_t> committed = (*receiving)->Finish(idle(), [&] {
+      if (context.IsCancelled()) return true;
+      sender_ended = call.ended();
+      return sender_ended;
+    });
     if (!committed.ok()) {
-      if (call.ended() && !context.IsCancelled()) {
+      if (sender_ended) {
         // The sender gave up: its reason, not this side's wait.
         const absl::Status sender = call.Finish();
         return sender.ok() ? PeerUnavailable(absl::StrCat("peer ", req.from_address(),

@@ -120,6 +120,53 @@ TEST(HealthTest, CheckAndWatchAnswerServingRepeatedlyAndConcurrentlyWithTraffic)
             std::string::npos);
 }
 
+// The health service against a hostile caller: bytes that are no HealthCheckRequest, a
+// huge service name, and Watch streams opened and dropped without reading. Each gets an
+// answer (or is let go), and a plain probe is still answered SERVING after.
+TEST(HealthTest, MalformedChecksAndAbandonedWatchesLeaveTheProbeServing) {
+  Daemon d;
+  std::string response;
+  const std::string check = "/grpc.health.v1.Health/Check";
+  for (const std::string& garbage :
+       {std::string("\xff\xff\xff\xff", 4), std::string("\x0a\x10ab", 4),
+        std::string("\x0a\x03\xc3\x28x", 5) /* service name not UTF-8 */}) {
+    const grpc::Status s = RawUnary(d.channel(), check, garbage, &response);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_TRUE(d.Alive());
+  }
+  // A 64 KiB service name: refused (gRPC's health service bounds the name).
+  const std::string huge = std::string("\x0a\x80\x80\x04", 4) + std::string(65536, 's');  // field 1, length 65536
+  EXPECT_EQ(RawUnary(d.channel(), check, huge, &response).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  // 50 Watch streams opened, sent one request and dropped unread.
+  for (int i = 0; i < 50; ++i) {
+    grpc::GenericStub stub(d.channel());
+    grpc::CompletionQueue cq;
+    grpc::ClientContext ctx;
+    auto call = stub.PrepareCall(&ctx, "/grpc.health.v1.Health/Watch", &cq);
+    void* tag;
+    bool ok;
+    call->StartCall(reinterpret_cast<void*>(1));
+    cq.Next(&tag, &ok);
+    grpc::Slice empty("");
+    grpc::ByteBuffer req(&empty, 1);
+    call->Write(req, reinterpret_cast<void*>(2));
+    cq.Next(&tag, &ok);
+    ctx.TryCancel();
+    grpc::Status finish;
+    call->Finish(&finish, reinterpret_cast<void*>(3));
+    cq.Next(&tag, &ok);
+    cq.Shutdown();
+    while (cq.Next(&tag, &ok)) {
+    }
+  }
+  EXPECT_TRUE(d.Alive());
+  ASSERT_TRUE(RawUnary(d.channel(), check, "", &response).ok());
+  EXPECT_EQ(response, kServing);
+  ASSERT_TRUE(WatchFirst(d.channel(), &response).ok());
+  EXPECT_EQ(response, kServing);
+}
+
 // 2 ---------------------------------------------------------------------------------------------
 TEST(FreedPageTest, ReallocatedPageReadsZeroInEveryLayerAndInEveryRead) {
   Daemon d;

@@ -244,6 +244,22 @@ TEST(PageTableTest, HeldTokensAndRecordsFollowASetOfRecordsThroughWritesAndFrees
   }
 }
 
+// A long free list (the bitmap path) with one page twice: refused, and nothing freed.
+TEST(PageTableTest, ALongFreeListWithARepeatFreesNothing) {
+  PageTable table("f", 600, 16, 1, 1);
+  std::vector<PageHandle> handles = *table.Allocate(600);
+  std::vector<PageHandle> listed = handles;
+  listed.push_back(handles[437]);
+  const absl::StatusOr<std::vector<int64_t>> freed = table.Free(listed);
+  ASSERT_FALSE(freed.ok());
+  EXPECT_EQ(ReasonOf(freed.status()), ErrorReason::kDuplicatePage);
+  EXPECT_NE(freed.status().message().find("page 437 is listed twice"), std::string::npos)
+      << freed.status();
+  EXPECT_EQ(table.counts().pages_used, 600);
+  EXPECT_TRUE(table.CheckHandles(handles).ok());
+  EXPECT_TRUE(table.Free(handles).ok());
+}
+
 TEST(PageTableTest, CheckHandlesNamesTheFirstBadHandleAndLongPinListsPinRepeatsOnce) {
   PageTable table("p", 600, 4, 1, 3);
   std::vector<PageHandle> h = *table.Allocate(600);
