@@ -65,9 +65,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   if (options.malloc_top_pad_bytes > 0) {
     // glibc grows and shrinks each heap by what a call needs (plus 128 KiB): a request of a
     // few hundred KiB (a Save naming 16384 pages) then faults fresh pages in on every call.
-    // A larger top pad keeps that much at each heap's top. It is not a trim threshold on
-    // purpose: the periodic malloc_trim cannot shrink the tops of the other threads' heaps,
-    // so whatever stays there stays (bench/RESULTS.md).
+    // A larger top pad keeps that much at each heap's top. Setting it also stops glibc from
+    // raising its mmap threshold as mapped blocks are freed (it stays at 128 KiB); the net
+    // of both is what bench/RESULTS.md measured. It is not a trim threshold on purpose: the
+    // periodic malloc_trim cannot shrink the tops of the other threads' heaps, so whatever
+    // stays there stays.
     mallopt(M_TOP_PAD, static_cast<int>(options.malloc_top_pad_bytes));
   }
   std::unique_ptr<Daemon> d(new Daemon());

@@ -13,6 +13,32 @@
 
 namespace kvferry::server {
 
+namespace {
+
+// The pages of a list seen so far (ids in range: their handles were checked): a bitmap over
+// the pool's pages for long lists (a page-form transfer names thousands), a hash set for
+// short ones.
+class SeenPages {
+ public:
+  SeenPages(size_t listed, int64_t num_pages)
+      : bits_(listed >= 256 ? static_cast<size_t>((num_pages + 63) / 64) : 0, 0) {}
+  // True the first time `page` is offered.
+  bool Insert(uint64_t page) {
+    if (bits_.empty()) return set_.insert(page).second;
+    uint64_t& word = bits_[page / 64];
+    const uint64_t bit = uint64_t{1} << (page % 64);
+    const bool fresh = (word & bit) == 0;
+    word |= bit;
+    return fresh;
+  }
+
+ private:
+  std::vector<uint64_t> bits_;
+  absl::flat_hash_set<uint64_t> set_;
+};
+
+}  // namespace
+
 PageTable::PageTable(std::string pool_name, int64_t num_pages, int page_size, int num_layers,
                      uint64_t incarnation)
     : pool_name_(std::move(pool_name)),
@@ -105,22 +131,10 @@ absl::StatusOr<std::vector<int64_t>> PageTable::Resolve(
 
 absl::StatusOr<std::vector<int64_t>> PageTable::Free(std::span<const PageHandle> handles) {
   kvferry::MutexLock lock(&mu_);
-  // Repeats: a bitmap over the pool's pages for long lists, a hash set for short ones (every
-  // id is in range once its handle checked).
-  std::vector<uint64_t> seen_bits(handles.size() >= 256 ? (num_pages_ + 63) / 64 : 0, 0);
-  absl::flat_hash_set<uint64_t> seen;
+  SeenPages seen(handles.size(), num_pages_);
   for (const PageHandle& h : handles) {
     KVF_RETURN_IF_ERROR(CheckHandleLocked(h));
-    bool repeated;
-    if (!seen_bits.empty()) {
-      uint64_t& word = seen_bits[h.page_id / 64];
-      const uint64_t bit = uint64_t{1} << (h.page_id % 64);
-      repeated = (word & bit) != 0;
-      word |= bit;
-    } else {
-      repeated = !seen.insert(h.page_id).second;
-    }
-    if (repeated) {
+    if (!seen.Insert(h.page_id)) {
       return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kDuplicatePage,
                    absl::StrCat("page ", h.page_id, " is listed twice"));
     }
@@ -171,29 +185,14 @@ absl::StatusOr<PageTable::Pin> PageTable::PinPages(std::span<const PageHandle> h
     return absl::OkStatus();
   };
   KVF_RETURN_IF_ERROR(check());
-  // Repeats pinned once. Every id is in range (checked above): a bitmap over the pool's pages
-  // for long lists (a page-form transfer names thousands), a hash set for short ones.
+  // Repeats pinned once.
   pin.pages.reserve(handles.size());
   pin.generations.reserve(handles.size());
-  auto keep = [&](const PageHandle& h) {
+  SeenPages seen(handles.size(), num_pages_);
+  for (const PageHandle& h : handles) {
+    if (!seen.Insert(h.page_id)) continue;
     pin.pages.push_back(static_cast<int64_t>(h.page_id));
     pin.generations.push_back(h.generation);
-  };
-  if (handles.size() >= 256) {
-    std::vector<uint64_t> seen((num_pages_ + 63) / 64, 0);
-    for (const PageHandle& h : handles) {
-      uint64_t& word = seen[h.page_id / 64];
-      const uint64_t bit = uint64_t{1} << (h.page_id % 64);
-      if ((word & bit) == 0) {
-        word |= bit;
-        keep(h);
-      }
-    }
-  } else {
-    absl::flat_hash_set<int64_t> unique;
-    for (const PageHandle& h : handles) {
-      if (unique.insert(static_cast<int64_t>(h.page_id)).second) keep(h);
-    }
   }
   if (exclusive) {
     // Wait until no other write holds any of these pages, then take them all at once (no

@@ -31,6 +31,23 @@ client::ClientOptions Options(const testing::Daemon& d) {
   return o;
 }
 
+// A session opened over the raw API (the stream and what the daemon answered).
+struct RawSession {
+  grpc::ClientContext ctx;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionEvent>> stream;
+  v1::SessionOpened opened;
+};
+
+void OpenRaw(v1::KvSession::Stub& stub, const std::string& worker, RawSession& s) {
+  s.stream = stub.OpenSession(&s.ctx);
+  v1::SessionRequest req;
+  req.mutable_open()->set_worker(worker);
+  ASSERT_TRUE(s.stream->Write(req));
+  v1::SessionEvent e;
+  ASSERT_TRUE(s.stream->Read(&e));
+  s.opened = e.opened();
+}
+
 uint64_t PagesUsed(testing::Daemon& d) { return testing::GetStats(d).pools(0).pages_used(); }
 
 
@@ -43,23 +60,9 @@ TEST(SessionVmmTest, NoCallerTakesAProcessesMemoryWithoutItsSessionsSecret) {
   auto stub = v1::KvSession::NewStub(
       grpc::CreateChannel(Options(d).target, grpc::InsecureChannelCredentials()));
   // Two sessions over the raw API, to hold their secrets.
-  struct Opened {
-    grpc::ClientContext ctx;
-    std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionEvent>> stream;
-    v1::SessionOpened opened;
-  };
-  auto open = [&](Opened& o) {
-    o.stream = stub->OpenSession(&o.ctx);
-    v1::SessionRequest req;
-    req.mutable_open()->set_worker("vmm");
-    ASSERT_TRUE(o.stream->Write(req));
-    v1::SessionEvent e;
-    ASSERT_TRUE(o.stream->Read(&e));
-    o.opened = e.opened();
-  };
-  Opened a, b;
-  open(a);
-  open(b);
+  RawSession a, b;
+  OpenRaw(*stub, "vmm", a);
+  OpenRaw(*stub, "vmm", b);
   ASSERT_EQ(a.opened.session_secret().size(), 32u);
   ASSERT_NE(a.opened.session_secret(), b.opened.session_secret());
   auto memfd = [](const std::string& bytes) {
@@ -121,7 +124,7 @@ TEST(SessionVmmTest, NoCallerTakesAProcessesMemoryWithoutItsSessionsSecret) {
   const std::string by_client = client::ErrorReason((*session)->RegisterKv(t).status());
   EXPECT_TRUE(proved(by_client)) << by_client;
   for (int fd : {allocation, own, others, wrong_fd, empty}) close(fd);
-  for (Opened* o : {&a, &b}) {
+  for (RawSession* o : {&a, &b}) {
     o->stream->WritesDone();
     o->ctx.TryCancel();
   }
@@ -146,37 +149,25 @@ TEST(SessionCompletionTest, TheAreasNameIsUnguessableAndRemovedOnceMapped) {
     }
     return !exists(name);
   };
-  struct Raw {
-    grpc::ClientContext ctx;
-    std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionEvent>> stream;
-    std::string name;
-  };
-  auto open = [&](Raw& r) {
-    r.stream = stub->OpenSession(&r.ctx);
-    v1::SessionRequest req;
-    req.mutable_open()->set_worker("names");
-    ASSERT_TRUE(r.stream->Write(req));
-    v1::SessionEvent e;
-    ASSERT_TRUE(r.stream->Read(&e));
-    r.name = e.opened().completion_shm();
-  };
-  Raw a, b;
-  open(a);
-  open(b);
-  ASSERT_TRUE(exists(a.name)) << a.name;
-  ASSERT_TRUE(exists(b.name)) << b.name;
+  RawSession a, b;
+  OpenRaw(*stub, "names", a);
+  OpenRaw(*stub, "names", b);
+  const std::string& a_name = a.opened.completion_shm();
+  const std::string& b_name = b.opened.completion_shm();
+  ASSERT_TRUE(exists(a_name)) << a_name;
+  ASSERT_TRUE(exists(b_name)) << b_name;
   // /kvferry-PID-ID-HEX: 32 hex digits (128 bits) that differ between sessions.
   const std::regex form(R"(/kvferry-[0-9]+-[0-9]+-([0-9a-f]{32}))");
   std::smatch ma, mb;
-  ASSERT_TRUE(std::regex_match(a.name, ma, form)) << a.name;
-  ASSERT_TRUE(std::regex_match(b.name, mb, form)) << b.name;
+  ASSERT_TRUE(std::regex_match(a_name, ma, form)) << a_name;
+  ASSERT_TRUE(std::regex_match(b_name, mb, form)) << b_name;
   EXPECT_NE(ma[1].str(), mb[1].str());
   // a maps and says so: its name goes while its session lives on.
   v1::SessionRequest mapped;
   mapped.mutable_mapped();
   ASSERT_TRUE(a.stream->Write(mapped));
-  EXPECT_TRUE(gone(a.name));
-  EXPECT_TRUE(exists(b.name));
+  EXPECT_TRUE(gone(a_name));
+  EXPECT_TRUE(exists(b_name));
   // b never says so: its name goes with the session.
   v1::SessionRequest bye;
   bye.mutable_close();
@@ -186,7 +177,7 @@ TEST(SessionCompletionTest, TheAreasNameIsUnguessableAndRemovedOnceMapped) {
   while (b.stream->Read(&ignored)) {
   }
   EXPECT_TRUE(b.stream->Finish().ok());
-  EXPECT_TRUE(gone(b.name));
+  EXPECT_TRUE(gone(b_name));
   a.stream->WritesDone();
   while (a.stream->Read(&ignored)) {
   }
