@@ -133,7 +133,7 @@ TEST(HealthTest, MalformedChecksAndAbandonedWatchesLeaveTheProbeServing) {
   std::string response;
   const std::string check = "/grpc.health.v1.Health/Check";
   for (const std::string& garbage :
-       {std::string("\xff\xff\xff\xff", 4), std::string("\x0a\x10ab", 4),
+       {std::string("\xff\xff\xff\xff", 4), std::string("\x0a\x10" "ab", 4) /* says 16 bytes, holds 2 */,
         std::string("\x0a\x03\xc3\x28x", 5) /* service name not UTF-8 */}) {
     const grpc::Status s = RawUnary(d.channel(), check, garbage, &response);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
