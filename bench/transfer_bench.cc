@@ -5,6 +5,8 @@
 //
 // Usage: transfer_bench [--device cpu|cuda:N] [--peer-device D] [--transports tcp;tcp,cma]
 //                       [--reps N] [--perftest PATH] [--message-bytes N] [--cpu-threads N]
+//                       [--sizes-mib 64,1024] [--daemon-arg FLAG]...   (e.g. --daemon-arg --log_level=debug: the
+//                                                 daemons' phase timings of each transfer)
 // Prints one line per (transport, size): GB/s of Push, of ReadPages, the ceiling, and the
 // ratio. GB = 1e9 bytes.
 #include <grpcpp/grpcpp.h>
@@ -90,27 +92,39 @@ int main(int argc, char** argv) {
       at = end + 1;
     }
   }
+  std::vector<int64_t> sizes;  // bytes pushed, from --sizes-mib (default 64,1024)
+  {
+    const std::string list = Arg(argc, argv, "sizes-mib", "64,1024");
+    for (size_t at = 0; at < list.size();) {
+      const size_t end = std::min(list.find(',', at), list.size());
+      sizes.push_back(std::atoll(list.substr(at, end - at).c_str()) << 20);
+      at = end + 1;
+    }
+  }
   constexpr int kPageSize = 64;
   const int64_t page_bytes = kvferry::PageBytes(kvferry::Layout::kV41, kPageSize);  // 33792
   int port = 13400;
   for (const std::string& t : transports) {
     const double ceiling = Perftest(perftest, t, port++);
     setenv("KVFERRY_TEST_DEVICE", device.c_str(), 1);
-    const std::vector<std::string> flags = {"--ucx_transports=" + t,
+    std::vector<std::string> flags = {"--ucx_transports=" + t,
                                             "--max_staged_write_bytes=4294967296",
                                             "--peer_message_bytes=" + message_bytes,
                                             "--cpu_threads=" + cpu_threads};
+    for (int i = 1; i + 1 < argc; ++i) {
+      if (std::string(argv[i]) == "--daemon-arg") flags.push_back(argv[i + 1]);
+    }
     Daemon a(flags);
     setenv("KVFERRY_TEST_DEVICE", peer_device.c_str(), 1);
     Daemon b(flags);
-    for (const int64_t bytes : {int64_t{64} << 20, int64_t{1} << 30}) {
+    for (const int64_t bytes : sizes) {
       const int64_t n = bytes / page_bytes;
       setenv("KVFERRY_TEST_DEVICE", device.c_str(), 1);
       kvferry::testing::CreatePool(a, "src", kvferry::Layout::kV41, kPageSize, n);
       setenv("KVFERRY_TEST_DEVICE", peer_device.c_str(), 1);
       kvferry::testing::CreatePool(b, "dst", kvferry::Layout::kV41, kPageSize, n);
       const auto src = Allocate(a, "src", n);
-      const auto dst = Allocate(b, "dst", n);
+      auto dst = Allocate(b, "dst", n);
       v1::PushRequest req;
       req.set_pool("src");
       for (const auto& p : src) *req.add_pages() = p;
@@ -120,6 +134,20 @@ int main(int argc, char** argv) {
       auto stub = v1::Transfer::NewStub(a.channel());
       double best = 1e9;
       for (int r = 0; r < reps; ++r) {
+        if (r > 0) {
+          // Fresh destination pages each time, as a decode node allocates for each request
+          // (pages that held nothing are received in place on a cpu pool).
+          for (size_t at = 0; at < dst.size(); at += 60000) {
+            const size_t end = std::min(dst.size(), at + 60000);
+            if (!kvferry::testing::FreePages(b, "dst", {dst.begin() + at, dst.begin() + end}).ok()) {
+              std::fprintf(stderr, "free failed\n");
+              return 1;
+            }
+          }
+          dst = Allocate(b, "dst", n);
+          req.clear_to_pages();
+          for (const auto& p : dst) *req.add_to_pages() = p;
+        }
         grpc::ClientContext ctx;
         v1::TransferPagesResponse resp;
         const double start = Now();

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/errors.h"
+#include "common/log.h"
 #include "kvferry/kernels/status_macros.h"
 #include "kvferry/kernels/validate.h"
 
@@ -190,7 +191,7 @@ absl::Status StagedWrite::AddPageBytes(const PageHandle& page, int64_t layer, ui
 }
 
 absl::Status StagedWrite::ReservePages(std::span<const PageHandle> pages,
-                                       std::span<const int64_t> layers) {
+                                       std::span<const int64_t> layers, bool in_place) {
   const int64_t page_bytes = pool_->geometry().page_bytes();
   const int64_t units = static_cast<int64_t>(pages.size() * layers.size());
   if (units == 0) {
@@ -214,15 +215,82 @@ absl::Status StagedWrite::ReservePages(std::span<const PageHandle> pages,
                      absl::StrCat("page ", page.page_id, " layer ", layer,
                                   " is named twice as a destination"));
       }
-      KVF_ASSIGN_OR_RETURN(const int64_t at, arena_.Reserve(page_bytes));
+      // The offset in the byte stream; staging below keeps it (the arena is one stream).
+      const int64_t at = static_cast<int64_t>(pages_.size()) * page_bytes;
       pages_.push_back(StagedPage{page, static_cast<int>(layer), at, 0});
     }
+  }
+  if (in_place && pool_->backend().host_memory()) {
+    KVF_ASSIGN_OR_RETURN(PageTable::Pin pin, pool_->table().PinPages(pages, true));
+    bool fresh = true;
+    for (int64_t layer : layers) {
+      const std::vector<uint8_t> held =
+          pool_->table().PagesWithRecords(static_cast<int>(layer), pin.pages);
+      fresh = fresh && std::none_of(held.begin(), held.end(), [](uint8_t h) { return h != 0; });
+    }
+    if (fresh) {
+      in_place_pin_ = std::move(pin);
+      return absl::OkStatus();
+    }
+    pool_->Unpin(pin);
+  }
+  for (StagedPage& p : pages_) {
+    KVF_ASSIGN_OR_RETURN(p.offset, arena_.Reserve(page_bytes));
   }
   return absl::OkStatus();
 }
 
 std::vector<std::span<uint8_t>> StagedWrite::StagingPieces(int64_t offset, int64_t bytes) const {
-  return arena_.Pieces(offset, bytes);
+  if (!in_place()) return arena_.Pieces(offset, bytes);
+  const int64_t page_bytes = pool_->geometry().page_bytes();
+  const int64_t num_pages = pool_->config().num_pages;
+  std::vector<std::span<uint8_t>> pieces;
+  for (int64_t at = offset; at < offset + bytes;) {
+    const StagedPage& p = pages_[static_cast<size_t>(at / page_bytes)];
+    const int64_t within = at % page_bytes;
+    const int64_t take = std::min(page_bytes - within, offset + bytes - at);
+    uint8_t* where = pool_->base() +
+                     (p.layer * num_pages + static_cast<int64_t>(p.handle.page_id)) * page_bytes +
+                     within;
+    if (!pieces.empty() && pieces.back().data() + pieces.back().size() == where) {
+      pieces.back() = std::span<uint8_t>(pieces.back().data(), pieces.back().size() + take);
+    } else {
+      pieces.emplace_back(where, static_cast<size_t>(take));
+    }
+    at += take;
+  }
+  return pieces;
+}
+
+std::vector<int64_t> StagedWrite::FlatIds() const {
+  const int64_t num_pages = pool_->config().num_pages;
+  std::vector<int64_t> ids;
+  ids.reserve(pages_.size());
+  for (const StagedPage& p : pages_) {
+    ids.push_back(p.layer * num_pages + static_cast<int64_t>(p.handle.page_id));
+  }
+  return ids;
+}
+
+StagedWrite::~StagedWrite() {
+  if (!in_place_pin_) {
+    ended_->Notify();
+    return;
+  }
+  // The pairs held no record when the write began: zero is what they held.
+  const std::vector<int64_t> ids = FlatIds();
+  PageCopyParams zero;
+  zero.geometry = pool_->flat_pages();
+  zero.pool = pool_->base();
+  zero.pages = ids.data();
+  zero.num_listed = static_cast<int64_t>(ids.size());
+  const Op op = ZeroPagesOp{zero};
+  if (const absl::Status s = pool_->RunTimed("zero_pages", std::span<const Op>(&op, 1)); !s.ok()) {
+    log::Error("pool '{}': {} pages written in place by a write that did not commit could not "
+               "be zeroed again: {}", pool_->config().name, ids.size(), s.ToString());
+  }
+  pool_->Unpin(*in_place_pin_);
+  ended_->Notify();
 }
 
 void StagedWrite::MarkReceived() {
@@ -315,6 +383,7 @@ absl::StatusOr<int64_t> StagedWrite::CommitPages() {
                                 s.received, " of ", page_bytes, " bytes"));
     }
   }
+  if (in_place()) return CommitInPlace();
   const int64_t n = static_cast<int64_t>(pages_.size());
   if (n == 0) return 0;
   const int64_t num_pages = pool_->config().num_pages;
@@ -364,6 +433,27 @@ absl::StatusOr<int64_t> StagedWrite::CommitPages() {
   KVF_RETURN_IF_ERROR(stored);
   pool_->RenewLeases(handles);
   return n;
+}
+
+// The bytes are in the pool already: the handles are checked again (a page freed or the pool
+// deleted meanwhile fails the write, and the destructor zeroes what landed) and the pairs
+// marked written.
+absl::StatusOr<int64_t> StagedWrite::CommitInPlace() {
+  std::vector<PageHandle> handles;
+  std::vector<int64_t> page_ids;
+  std::vector<int> layers;
+  for (const StagedPage& p : pages_) {
+    handles.push_back(p.handle);
+    page_ids.push_back(static_cast<int64_t>(p.handle.page_id));
+    layers.push_back(p.layer);
+  }
+  // The checks of a pin (handles, and the pool not deleted), as the staged commit's.
+  KVF_ASSIGN_OR_RETURN(const PageTable::Pin check, pool_->table().PinPages(handles, false));
+  pool_->Unpin(check);
+  pool_->UnpinWrittenPages(*in_place_pin_, layers, page_ids);
+  in_place_pin_.reset();
+  pool_->RenewLeases(handles);
+  return static_cast<int64_t>(pages_.size());
 }
 
 }  // namespace kvferry::server

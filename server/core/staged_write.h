@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -18,6 +19,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/notification.h"
 #include "backend/backend.h"
 #include "core/pool.h"
 
@@ -85,8 +87,23 @@ class StagedWrite {
   // AddPageBytes (handles, layers, limits) and no (page, layer) twice (DUPLICATE_PAGE).
   // StagingPieces() then says where a range of that byte stream lies, and MarkReceived()
   // that every byte is there.
-  absl::Status ReservePages(std::span<const PageHandle> pages, std::span<const int64_t> layers);
-  // The pieces of staging (in order) that hold stream bytes [offset, offset + bytes).
+  //
+  // With `in_place`, on a host memory pool (cpu) whose listed (page, layer) pairs hold no
+  // record yet, there is no staging: the bytes land in the pool itself. The pages are then
+  // pinned for writing from here until the write ends (another write of them waits), a
+  // commit only checks the handles again and marks the pages written, and a write dropped
+  // uncommitted zeroes those pairs again before it unpins them, so the pool ends as it
+  // was. A reader of those pages meanwhile (reads never wait for writes) may see part of
+  // the bytes. Otherwise, or when any pair holds a record, the bytes are staged as above.
+  absl::Status ReservePages(std::span<const PageHandle> pages, std::span<const int64_t> layers,
+                            bool in_place = false);
+  // Whether ReservePages chose to receive in place (false again once committed).
+  bool in_place() const { return in_place_pin_.has_value(); }
+  // Notified when the write has ended: its staging released or, in place and uncommitted,
+  // its pages zeroed again and unpinned.
+  std::shared_ptr<absl::Notification> ended() const { return ended_; }
+  // The pieces of staging (or, in place, of the pool) in order that hold stream bytes
+  // [offset, offset + bytes); adjacent pieces are merged.
   std::vector<std::span<uint8_t>> StagingPieces(int64_t offset, int64_t bytes) const;
   void MarkReceived();
 
@@ -95,6 +112,11 @@ class StagedWrite {
 
   Pool& pool() { return *pool_; }
   int64_t staged_bytes() const { return arena_.size(); }
+
+  // An uncommitted write in place zeroes what it may have written, then unpins.
+  ~StagedWrite();
+  StagedWrite(const StagedWrite&) = delete;
+  StagedWrite& operator=(const StagedWrite&) = delete;
 
  private:
   StagedWrite(std::shared_ptr<Pool> pool, bool rows, int layer, WriteLimits limits,
@@ -108,6 +130,9 @@ class StagedWrite {
   absl::StatusOr<Buffer> StageOnDevice(std::span<const int64_t> indices, int64_t* indices_at);
   absl::StatusOr<int64_t> CommitRows();
   absl::StatusOr<int64_t> CommitPages();
+  absl::StatusOr<int64_t> CommitInPlace();
+  // Flat ids (layer * num_pages + page) of the staged (page, layer) pairs, in order.
+  std::vector<int64_t> FlatIds() const;
   // On a host memory pool (cpu): the runs of staged page bytes, in page order, when every
   // page lies within one chunk of the arena; else (or on a device) none.
   std::vector<std::span<uint8_t>> HostPieces() const;
@@ -135,6 +160,9 @@ class StagedWrite {
   };
   std::vector<StagedPage> pages_;
   absl::flat_hash_map<std::pair<uint64_t, int>, size_t> page_index_;
+  // In place: the pages' pin, held until the commit or the end of the write.
+  std::optional<PageTable::Pin> in_place_pin_;
+  const std::shared_ptr<absl::Notification> ended_ = std::make_shared<absl::Notification>();
 };
 
 }  // namespace kvferry::server

@@ -221,9 +221,30 @@ class TransferEngine::Receiving {
   std::shared_ptr<StagedWrite> write;
   std::unique_ptr<UcxWorker::Receives> receives;
   int64_t bytes = 0;
+  bool in_place = false;  // received straight into the pool
+  absl::Duration settle;  // how long the end of a failed write in place is waited for
+
+  // A write in place that did not commit zeroes what landed once UCX can write no more
+  // (the receives cancelled, and each ended): the caller answers only after that, so the
+  // destination reads as before when the failure is reported. Bounded by `settle` (a
+  // receive of a peer that vanished mid-message ends when UCX gives the peer up).
+  ~Receiving() {
+    if (write == nullptr || !write->in_place()) return;
+    const std::shared_ptr<absl::Notification> ended = write->ended();
+    write.reset();
+    receives.reset();
+    if (!ended->WaitForNotificationWithTimeout(settle)) {
+      log::Warn("a failed transfer's pages are zeroed again only once UCX ends its receives "
+                "(not within {})", absl::FormatDuration(settle));
+    }
+  }
   // Waits for every message, then commits all pages or none.
   absl::StatusOr<int64_t> Finish(absl::Duration idle, const UcxWorker::CancelCheck& cancelled) {
     KVF_RETURN_IF_ERROR(receives->Wait(idle, cancelled));
+    return Commit();
+  }
+  // Once every message arrived: all pages or none.
+  absl::StatusOr<int64_t> Commit() {
     write->MarkReceived();
     return write->Commit();
   }
@@ -368,6 +389,8 @@ absl::StatusOr<std::unique_ptr<TransferEngine::Receiving>> TransferEngine::Recei
   }
   // Staging in pieces of one message each, so that every message lands in one contiguous
   // buffer (UCX moves contiguous receives zero-copy; an I/O vector falls back to copies).
+  // A host memory pool whose pages hold nothing yet receives in place instead (an I/O vector
+  // over the pool's pages): no staging to fault in, no copy at the commit.
   KVF_ASSIGN_OR_RETURN(std::unique_ptr<StagedWrite> write,
                        StagedWrite::ForPages(pool, layout, write_limits_, static_cast<int64_t>(m)));
   const int64_t page_bytes = pool->geometry().page_bytes();
@@ -377,9 +400,11 @@ absl::StatusOr<std::unique_ptr<TransferEngine::Receiving>> TransferEngine::Recei
                               pool->config().name, "' has pages of ", page_bytes,
                               " bytes (another page size)"));
   }
-  KVF_RETURN_IF_ERROR(write->ReservePages(pages, layers));
+  KVF_RETURN_IF_ERROR(write->ReservePages(pages, layers, /*in_place=*/true));
   auto r = std::make_unique<Receiving>();
   r->write = std::move(write);
+  r->settle = idle();
+  r->in_place = r->write->in_place();
   r->bytes = static_cast<int64_t>(offer.units()) * page_bytes;
   const int64_t message_bytes = static_cast<int64_t>(m);
   std::vector<std::vector<std::span<uint8_t>>> messages;
@@ -459,10 +484,14 @@ absl::Status TransferEngine::Push(const TenantAccount& tenant, const v1::PushReq
                  absl::StrCat(req.pages_size(), " source pages but ", req.to_pages_size(),
                               " destination pages; name one destination page per source page"));
   }
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point t0 = Clock::now();
   const std::vector<PageHandle> pages = FromProto(req.pages());
   v1::PeerMessage offer;
   KVF_ASSIGN_OR_RETURN(std::unique_ptr<Reader> reader,
                        Offer(pool, pages, req.layers(), req.transcode_to(), offer.mutable_offer()));
+  const Clock::time_point offered = Clock::now();
+  Clock::time_point got_ready = offered, sent_all = offered;
   offer.mutable_offer()->set_pool(req.to_pool());
   *offer.mutable_offer()->mutable_pages() = req.to_pages();
   KVF_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, Channel(req.to_address()));
@@ -475,8 +504,10 @@ absl::Status TransferEngine::Push(const TenantAccount& tenant, const v1::PushReq
     call.Open(stub);
     KVF_RETURN_IF_ERROR(call.Write(offer));
     KVF_ASSIGN_OR_RETURN(const v1::PeerMessage ready, call.Read(v1::PeerMessage::kReady));
+    got_ready = Clock::now();
     absl::Status sent = SendAll(std::move(reader), offer.offer(), ready.ready(),
                                 [&] { return context.IsCancelled(); });
+    sent_all = Clock::now();
     if (!sent.ok()) {
       call.Cancel();
       return sent;
@@ -489,6 +520,11 @@ absl::Status TransferEngine::Push(const TenantAccount& tenant, const v1::PushReq
     return absl::OkStatus();
   }();
   const double seconds = Seconds() - start;
+  const Clock::time_point end = Clock::now();
+  log::Debug("push of {} bytes: {:.3f} ms (offer {:.3f}, until ready {:.3f}, sending {:.3f}, "
+             "until done {:.3f})",
+             bytes, log::Millis(t0, end), log::Millis(t0, offered), log::Millis(offered, got_ready),
+             log::Millis(got_ready, sent_all), log::Millis(sent_all, end));
   Record("push", req.to_address(), true, bytes, seconds, status);
   KVF_RETURN_IF_ERROR(status);
   out->set_bytes(bytes);
@@ -595,12 +631,22 @@ absl::Status TransferEngine::Serve(
       KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Get(tenant, offer.pool()));
       const std::vector<PageHandle> pages = FromProto(offer.pages());
       v1::PeerMessage ready;
+      using Clock = std::chrono::steady_clock;
+      const Clock::time_point t0 = Clock::now();
       KVF_ASSIGN_OR_RETURN(std::unique_ptr<Receiving> receiving,
                            Receive(pool, pages, offer, ready.mutable_ready()));
+      const Clock::time_point posted = Clock::now();
       if (!stream->Write(ready)) {
         return PeerUnavailable("the sending peer left before the transfer started");
       }
-      KVF_ASSIGN_OR_RETURN(const int64_t committed, receiving->Finish(idle(), cancelled));
+      KVF_RETURN_IF_ERROR(receiving->receives->Wait(idle(), cancelled));
+      const Clock::time_point received = Clock::now();
+      KVF_ASSIGN_OR_RETURN(const int64_t committed, receiving->Commit());
+      log::Debug("push received: {} bytes{}, {:.3f} ms (staging and receives posted {:.3f}, "
+                 "bytes {:.3f}, commit {:.3f})",
+                 receiving->bytes, receiving->in_place ? " in place" : "",
+                 log::Millis(t0, Clock::now()), log::Millis(t0, posted),
+                 log::Millis(posted, received), log::Millis(received, Clock::now()));
       bytes = static_cast<uint64_t>(receiving->bytes);
       v1::PeerMessage done;
       done.mutable_done()->set_pages(static_cast<uint64_t>(committed));

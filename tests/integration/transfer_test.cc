@@ -209,6 +209,51 @@ TEST_P(TransferTest, ListedLayersLandInTheSameLayersAndTheOthersStayZero) {
   EXPECT_EQ(ReadAll(b, "dst", dst, {1}), std::string(ReadAll(a, "src", src, {1}).size(), '\0'));
 }
 
+// A cpu destination receives straight into pages whose listed layers hold nothing yet, and
+// stages the bytes (committing them all at once) when any of them holds a record; the bytes
+// that land are the source's either way. Which path ran is read from the destination's
+// debug log.
+TEST_P(TransferTest, FreshPagesAreReceivedInPlaceAndPagesWithRecordsAreStaged) {
+  std::vector<std::string> debug = Flags();
+  debug.push_back("--log_level=debug");
+  Daemon a(Flags()), b(debug, /*capture_log=*/true);
+  testing::CreatePool(a, "src", Layout::kV41, 16, 8, 2);
+  testing::CreatePool(b, "dst", Layout::kV41, 16, 8, 2);
+  const auto src = AllPages(a, "src", 4);
+  const auto dst = AllPages(b, "dst", 4);
+  std::vector<v1::TokenLocation> where;
+  for (const auto& p : src) {
+    for (uint32_t s = 0; s < 16; s += 5) where.push_back(Location(p, s));
+  }
+  auto count = [&](const std::string& what) {
+    const std::string log = b.Log();
+    int n = 0;
+    for (size_t at = log.find(what); at != std::string::npos; at = log.find(what, at + 1)) ++n;
+    return n;
+  };
+  ASSERT_TRUE(testing::WriteTokens(a, "src", 0, where, testing::RandomRows(where.size(), 1)).ok());
+  Outcome first = Push(a, "src", src, Address(b), "dst", dst, v1::LAYOUT_UNSPECIFIED, {0});
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  EXPECT_EQ(ReadAll(b, "dst", dst, {0}), ReadAll(a, "src", src, {0}));
+  EXPECT_EQ(count("push received:"), 1);
+  EXPECT_EQ(count(" in place,"), 1);
+  // Layer 0 of the destination holds records now: the next push into it is staged.
+  ASSERT_TRUE(testing::WriteTokens(a, "src", 0, where, testing::RandomRows(where.size(), 2)).ok());
+  Outcome second = Push(a, "src", src, Address(b), "dst", dst, v1::LAYOUT_UNSPECIFIED, {0});
+  ASSERT_TRUE(second.status.ok()) << second.status.error_message();
+  EXPECT_EQ(ReadAll(b, "dst", dst, {0}), ReadAll(a, "src", src, {0}));
+  EXPECT_EQ(count("push received:"), 2);
+  EXPECT_EQ(count(" in place,"), 1);
+  // Layer 1 still holds nothing: in place again, layer 0 untouched.
+  const std::string layer0 = ReadAll(b, "dst", dst, {0});
+  ASSERT_TRUE(testing::WriteTokens(a, "src", 1, where, testing::RandomRows(where.size(), 3)).ok());
+  Outcome third = Push(a, "src", src, Address(b), "dst", dst, v1::LAYOUT_UNSPECIFIED, {1});
+  ASSERT_TRUE(third.status.ok()) << third.status.error_message();
+  EXPECT_EQ(ReadAll(b, "dst", dst, {1}), ReadAll(a, "src", src, {1}));
+  EXPECT_EQ(ReadAll(b, "dst", dst, {0}), layer0);
+  EXPECT_EQ(count(" in place,"), 2);
+}
+
 TEST_P(TransferTest, RefusedTransfersChangeNothingAtTheDestination) {
   Daemon a(Flags()), b(Flags());
   testing::CreatePool(a, "src", Layout::kV41Fp4, 16, 8);

@@ -1,5 +1,6 @@
 // The core in process, on the cpu backend: page table, staged writes, readers, the pool
 // manager, and every failure of a fault-injecting backend leaving the pool as it was.
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <set>
@@ -434,6 +435,107 @@ TEST(CoreWriteTest, CommitAfterAFreeOfOneOfItsPagesStoresNothing) {
   const Snapshot before = Take(*pool);
   EXPECT_EQ(ReasonOf(w->Commit().status()), ErrorReason::kStalePageHandle);
   EXPECT_TRUE(Take(*pool) == before);
+}
+
+// A pages write received in place (a transfer into a cpu pool): its pieces are the pool's own
+// (page, layer) pairs, so a commit only marks them written; a write dropped uncommitted
+// leaves the pool byte for byte as it was and the pages free for the next writer; pages that
+// hold a record already are staged instead. The pool is read back through a page reader.
+TEST(CoreWriteTest, PagesReceivedInPlaceCommitOrAreZeroedAgainAndPagesWithRecordsAreStaged) {
+  auto pool = MakePool(Layout::kV41, 16, 6, 3);
+  const auto h = *pool->AllocatePages(4);
+  const int64_t page_bytes = pool->geometry().page_bytes();
+  const std::vector<int64_t> layers = {2, 0};
+  const std::vector<PageHandle> dst = {h[2], h[0], h[3]};
+  auto stream = [&](uint32_t seed) {
+    std::vector<uint8_t> bytes(dst.size() * layers.size() * page_bytes);
+    std::mt19937 rng(seed);
+    for (uint8_t& b : bytes) b = static_cast<uint8_t>(rng() | 1);  // no zero byte
+    return bytes;
+  };
+  // The stream lands through StagingPieces in messages of 1.5 pages (a piece may end
+  // mid-page), as the receiver posts them.
+  auto land = [&](StagedWrite& w, const std::vector<uint8_t>& bytes) {
+    const int64_t total = static_cast<int64_t>(bytes.size()), message = page_bytes * 3 / 2;
+    for (int64_t at = 0; at < total; at += message) {
+      int64_t from = at;
+      for (std::span<uint8_t> piece : w.StagingPieces(at, std::min(message, total - at))) {
+        std::memcpy(piece.data(), bytes.data() + from, piece.size());
+        from += static_cast<int64_t>(piece.size());
+      }
+      EXPECT_EQ(from, std::min(at + message, total));
+    }
+  };
+  auto read = [&] { return *Drain(ReadPages(pool, dst, layers, std::nullopt, 1 << 20)); };
+  const Snapshot empty = Take(*pool);
+  {
+    auto w = *StagedWrite::ForPages(pool, Layout::kV41, WriteLimits{});
+    ASSERT_TRUE(w->ReservePages(dst, layers, /*in_place=*/true).ok());
+    EXPECT_TRUE(w->in_place());
+    EXPECT_EQ(w->staged_bytes(), 0);
+    land(*w, stream(1));
+    EXPECT_EQ(read(), stream(1));  // in the pool already (a reader may see them)
+  }
+  EXPECT_TRUE(Take(*pool) == empty) << "a write in place dropped uncommitted must leave zeros";
+
+  auto w = *StagedWrite::ForPages(pool, Layout::kV41, WriteLimits{});
+  ASSERT_TRUE(w->ReservePages(dst, layers, /*in_place=*/true).ok());  // not held by the first
+  ASSERT_TRUE(w->in_place());
+  land(*w, stream(2));
+  w->MarkReceived();
+  ASSERT_EQ(*w->Commit(), 6);
+  EXPECT_FALSE(w->in_place());
+  w.reset();  // committed: nothing zeroed at its end
+  EXPECT_EQ(read(), stream(2));
+  EXPECT_EQ(pool->Stats().records_held, 6 * 16);
+  // Everything else still zero: layer 1 of those pages, and page h[1] in every layer.
+  std::vector<uint8_t> others = *Drain(ReadPages(pool, std::vector<PageHandle>{h[1]},
+                                                 std::vector<int64_t>{0, 1, 2}, std::nullopt, 1 << 20));
+  const std::vector<uint8_t> layer1 = *Drain(ReadPages(pool, dst, std::vector<int64_t>{1},
+                                                       std::nullopt, 1 << 20));
+  others.insert(others.end(), layer1.begin(), layer1.end());
+  EXPECT_TRUE(std::all_of(others.begin(), others.end(), [](uint8_t b) { return b == 0; }));
+
+  // The pages hold records now: the next write is staged, and dropping it changes nothing.
+  const Snapshot written = Take(*pool);
+  {
+    auto staged = *StagedWrite::ForPages(pool, Layout::kV41, WriteLimits{});
+    ASSERT_TRUE(staged->ReservePages(dst, layers, /*in_place=*/true).ok());
+    EXPECT_FALSE(staged->in_place());
+    EXPECT_EQ(staged->staged_bytes(), 6 * page_bytes);
+    land(*staged, stream(3));
+  }
+  EXPECT_TRUE(Take(*pool) == written);
+  auto staged = *StagedWrite::ForPages(pool, Layout::kV41, WriteLimits{});
+  ASSERT_TRUE(staged->ReservePages(dst, layers, /*in_place=*/true).ok());
+  land(*staged, stream(3));
+  staged->MarkReceived();
+  ASSERT_EQ(*staged->Commit(), 6);
+  EXPECT_EQ(read(), stream(3));
+}
+
+// In place, a page freed before the commit fails the write: nothing is marked written and
+// what landed is zeroed again when the write ends, the freed page's too.
+TEST(CoreWriteTest, AWriteInPlaceWhosePageWasFreedCommitsNothing) {
+  auto pool = MakePool(Layout::kV4, 16, 4, 2);
+  const auto h = *pool->AllocatePages(2);
+  const int64_t page_bytes = pool->geometry().page_bytes();
+  const std::vector<int64_t> layers = {1};
+  const Snapshot empty = Take(*pool);
+  auto w = *StagedWrite::ForPages(pool, Layout::kV4, WriteLimits{});
+  ASSERT_TRUE(w->ReservePages(h, layers, /*in_place=*/true).ok());
+  ASSERT_TRUE(w->in_place());
+  for (std::span<uint8_t> piece : w->StagingPieces(0, 2 * page_bytes)) {
+    std::memset(piece.data(), 0x5A, piece.size());
+  }
+  w->MarkReceived();
+  ASSERT_TRUE(pool->FreePages({&h[1], 1}).ok());
+  EXPECT_EQ(ReasonOf(w->Commit().status()), ErrorReason::kStalePageHandle);
+  w.reset();
+  const Snapshot after = Take(*pool);
+  EXPECT_EQ(after.bytes, empty.bytes);
+  EXPECT_EQ(after.records_held, 0);
+  EXPECT_EQ(after.pages_used, 1);
 }
 
 // ---- device failures ---------------------------------------------------------------------------
