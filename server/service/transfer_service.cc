@@ -432,11 +432,14 @@ absl::Status TransferEngine::SendAll(std::unique_ptr<Reader> owned, const v1::Pe
                        ucx_->Connect(ready.worker_address()));
   Reader& reader = *owned;
   // Batches in memory at once. The call that returns batch i launches batch i+1 into the
-  // slot of batch i+1-depth, so that one must have been sent by then: at depth 2 a batch is
-  // sent while the next is gathered (on a GPU, asynchronously); deeper keeps more messages
-  // on the wire, which measured no faster on the H200 machine and slower on two cores
-  // (bench/RESULTS.md).
-  constexpr int kDepth = 2;
+  // slot of batch i+1-depth, so message i+1-depth must be complete before it, and message i
+  // is posted only after it returns. At depth 2 that left the wire empty while a batch was
+  // gathered: message i-1 complete, the gather of i+1 (on the cpu backend it runs inside
+  // the call), then message i posted — each message cost its gather plus its wire time, and
+  // UCX's rendezvous handshake of each message waited for the one before. At depth 3
+  // message i-1 is still on the wire while batch i+1 is gathered, and two messages are in
+  // flight (bench/RESULTS.md).
+  constexpr int kDepth = 3;
   reader.set_depth(kDepth);
   const uint64_t total = offer.units() * offer.page_bytes();
   uint64_t sent = 0;
