@@ -396,47 +396,71 @@ void EncodeE4m3Row(const uint16_t* row, const uint8_t* scale, uint8_t* data) {
 // rather than by comparing with all 7. The sign is kept for every nonzero value
 // (|x| / S >= 2^-142 never rounds to zero in fp32) and dropped for -0, as the reference's
 // "+ 0.0f" does.
-void EncodeFp4Row(const uint16_t* row, const uint8_t* scale, uint8_t* data,
-                  const Fp4Tables& tables) {
+//
+// Where vectors hold 512 bits (AVX-512), each vector codes two tiles: the byte lookups work
+// within 128-bit blocks, so the low two blocks hold the first tile's thresholds and the
+// high two the second's, and every step codes 32 values for the work of 16.
+// kTilesPerVector: 2 with 32 lanes; 1 with 16 or fewer (then a tile takes 16 / lanes
+// vectors).
+template <int kTilesPerVector, class D>
+HWY_INLINE void EncodeFp4Tiles(D d, const uint16_t* row, const uint8_t* scale, uint8_t* data,
+                               const Fp4Tables& tables) {
   constexpr int kTile = 16;
-  const D16 d;
-  const hn::Repartition<uint8_t, D16> dbytes;
-  const hn::Repartition<uint32_t, D16> d32;
-  const hn::Rebind<uint8_t, decltype(d32)> d8;
+  static_assert(kTilesPerVector == 1 || kTilesPerVector == 2);
   const int n = static_cast<int>(hn::Lanes(d));
-  const V16 magnitude = hn::Set(d, 0x7FFF);
-  const V16 sign_bit = hn::Set(d, static_cast<int16_t>(0x8000));
-  const V16 sign = hn::Set(d, 0x8);
+  using V = hn::Vec<D>;
+  const hn::Repartition<uint8_t, D> dbytes;
+  const hn::Repartition<uint32_t, D> d32;
+  const hn::Rebind<uint8_t, decltype(d32)> d8;
+  const V magnitude = hn::Set(d, 0x7FFF);
+  const V sign_bit = hn::Set(d, static_cast<int16_t>(0x8000));
+  const V sign = hn::Set(d, 0x8);
   // A lane's lookup index of threshold k: its bytes 2k and 2k + 1, i.e. k * 0x0202 + 0x0100.
-  const V16 index_of_3 = hn::Set(d, 3 * 0x0202 + 0x0100), base = hn::Set(d, 0x0100);
-  const V16 step4 = hn::Set(d, 4 * 0x0202), step2 = hn::Set(d, 2 * 0x0202),
-            step1 = hn::Set(d, 0x0202);
+  const V index_of_3 = hn::Set(d, 3 * 0x0202 + 0x0100), base = hn::Set(d, 0x0100);
+  const V step4 = hn::Set(d, 4 * 0x0202), step2 = hn::Set(d, 2 * 0x0202),
+          step1 = hn::Set(d, 0x0202);
   uint8_t codes[kHeadDim / kTile];  // local: the stores into data could alias scale
   std::memcpy(codes, scale, sizeof(codes));
-  for (int t = 0; t < kHeadDim / kTile; ++t) {
-    // The tile's 8 thresholds (the last is padding) in every 128-bit block.
-    const auto thresholds =
-        hn::BitCast(dbytes, hn::LoadDup128(d, tables.thresholds[codes[t]]));
-    auto threshold = [&](V16 index) HWY_ATTR {
+  for (int t = 0; t < kHeadDim / kTile; t += kTilesPerVector) {
+    // The tile's 8 thresholds (the last is padding) in each 128-bit block of its values.
+    V tile_thresholds;
+    if constexpr (kTilesPerVector == 2) {
+      const hn::Half<D> dh;
+      tile_thresholds = hn::Combine(d, hn::LoadDup128(dh, tables.thresholds[codes[t + 1]]),
+                                    hn::LoadDup128(dh, tables.thresholds[codes[t]]));
+    } else {
+      tile_thresholds = hn::LoadDup128(d, tables.thresholds[codes[t]]);
+    }
+    const auto thresholds = hn::BitCast(dbytes, tile_thresholds);
+    auto threshold = [&](V index) HWY_ATTR {
       return hn::BitCast(d, hn::TableLookupBytes(thresholds, hn::BitCast(dbytes, index)));
     };
-    for (int i = t * kTile; i < (t + 1) * kTile; i += n) {
-      const V16 bits = LoadBf16(d, row + i);
-      const V16 a = hn::And(bits, magnitude);
+    for (int i = t * kTile; i < (t + kTilesPerVector) * kTile; i += n) {
+      const V bits = hn::LoadU(d, reinterpret_cast<const int16_t*>(row + i));
+      const V a = hn::And(bits, magnitude);
       // code >= 4 iff a > T3; then >= code + 2 iff a > T[code + 1]; then + 1 iff a > T[code]
       // (thresholds ascend). c holds code as a lookup index: code * 0x0202 + 0x0100.
-      V16 c = hn::Add(base, hn::And(hn::VecFromMask(d, a > threshold(index_of_3)), step4));
-      c = hn::Add(c, hn::And(hn::VecFromMask(d, a > threshold(hn::Add(c, step1))), step2));
-      c = hn::Add(c, hn::And(hn::VecFromMask(d, a > threshold(c)), step1));
+      V c = hn::Add(base, hn::IfThenElseZero(a > threshold(index_of_3), step4));
+      c = hn::Add(c, hn::IfThenElseZero(a > threshold(hn::Add(c, step1)), step2));
+      c = hn::Add(c, hn::IfThenElseZero(a > threshold(c), step1));
       // Negative and nonzero: bits above 0x8000, i.e. bits ^ 0x8000 above 0 as int16.
-      const V16 negative = hn::VecFromMask(d, hn::Xor(bits, sign_bit) > hn::Zero(d));
-      const V16 code = hn::Or(hn::And(hn::ShiftRight<1>(c), hn::Set(d, 7)), hn::And(negative, sign));
+      const V negative = hn::IfThenElseZero(hn::Xor(bits, sign_bit) > hn::Zero(d), sign);
+      const V code = hn::Or(hn::And(hn::ShiftRight<1>(c), hn::Set(d, 7)), negative);
       // Two codes per 32-bit lane (dim 2j low, 2j+1 high) -> one byte: low | high << 4.
       auto pairs = hn::BitCast(d32, code);
       pairs = hn::Or(pairs, hn::ShiftRight<12>(pairs));
       hn::StoreU(hn::TruncateTo(d8, pairs), d8, data + i / 2);
     }
   }
+}
+
+void EncodeFp4Row(const uint16_t* row, const uint8_t* scale, uint8_t* data,
+                  const Fp4Tables& tables) {
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+  EncodeFp4Tiles<2>(hn::CappedTag<int16_t, 32>(), row, scale, data, tables);
+#else
+  EncodeFp4Tiles<1>(D16(), row, scale, data, tables);
+#endif
 }
 
 // bf16 bits of the e4m3 subnormal magnitudes m * 2^-9 (m = 0..7) before scaling by 2^9:
