@@ -273,10 +273,7 @@ std::vector<int64_t> StagedWrite::FlatIds() const {
 }
 
 StagedWrite::~StagedWrite() {
-  if (!in_place_pin_) {
-    ended_->Notify();
-    return;
-  }
+  if (!in_place_pin_) return;
   // The pairs held no record when the write began: zero is what they held.
   const std::vector<int64_t> ids = FlatIds();
   PageCopyParams zero;
@@ -290,7 +287,6 @@ StagedWrite::~StagedWrite() {
                "be zeroed again: {}", pool_->config().name, ids.size(), s.ToString());
   }
   pool_->Unpin(*in_place_pin_);
-  ended_->Notify();
 }
 
 void StagedWrite::MarkReceived() {

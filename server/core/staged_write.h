@@ -19,7 +19,6 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/notification.h"
 #include "backend/backend.h"
 #include "core/pool.h"
 
@@ -99,9 +98,6 @@ class StagedWrite {
                             bool in_place = false);
   // Whether ReservePages chose to receive in place (false again once committed).
   bool in_place() const { return in_place_pin_.has_value(); }
-  // Notified when the write has ended: its staging released or, in place and uncommitted,
-  // its pages zeroed again and unpinned.
-  std::shared_ptr<absl::Notification> ended() const { return ended_; }
   // The pieces of staging (or, in place, of the pool) in order that hold stream bytes
   // [offset, offset + bytes); adjacent pieces are merged.
   std::vector<std::span<uint8_t>> StagingPieces(int64_t offset, int64_t bytes) const;
@@ -162,7 +158,6 @@ class StagedWrite {
   absl::flat_hash_map<std::pair<uint64_t, int>, size_t> page_index_;
   // In place: the pages' pin, held until the commit or the end of the write.
   std::optional<PageTable::Pin> in_place_pin_;
-  const std::shared_ptr<absl::Notification> ended_ = std::make_shared<absl::Notification>();
 };
 
 }  // namespace kvferry::server

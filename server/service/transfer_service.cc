@@ -224,19 +224,21 @@ class TransferEngine::Receiving {
   bool in_place = false;  // received straight into the pool
   absl::Duration settle;  // how long the end of a failed write in place is waited for
 
-  // A write in place that did not commit zeroes what landed once UCX can write no more
-  // (the receives cancelled, and each ended): the caller answers only after that, so the
-  // destination reads as before when the failure is reported. Bounded by `settle` (a
-  // receive of a peer that vanished mid-message ends when UCX gives the peer up).
+  // A write in place that did not commit zeroes what landed once UCX can write no more:
+  // the receives are cancelled and each waited for (bounded by `settle`; a receive that
+  // matched ends when its message is in or UCX gives its peer up), then the write is
+  // dropped here, on the handler's thread, so the rollback runs before the caller is
+  // answered and never on the UCX progress thread. Past the bound the write is left to the
+  // last receive to end (it then zeroes and unpins on the UCX thread).
   ~Receiving() {
     if (write == nullptr || !write->in_place()) return;
-    const std::shared_ptr<absl::Notification> ended = write->ended();
-    write.reset();
+    const bool ended = receives == nullptr || receives->Abandon(settle);
     receives.reset();
-    if (!ended->WaitForNotificationWithTimeout(settle)) {
-      log::Warn("a failed transfer's pages are zeroed again only once UCX ends its receives "
-                "(not within {})", absl::FormatDuration(settle));
+    if (!ended) {
+      log::Warn("a failed transfer's receives did not end within {}: its pages are zeroed "
+                "again and released when they do", absl::FormatDuration(settle));
     }
+    write.reset();
   }
   // Waits for every message, then commits all pages or none.
   absl::StatusOr<int64_t> Finish(absl::Duration idle, const UcxWorker::CancelCheck& cancelled) {

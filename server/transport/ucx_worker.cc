@@ -383,6 +383,17 @@ class ReceivesImpl final : public UcxWorker::Receives {
   absl::Status Wait(absl::Duration idle, const UcxWorker::CancelCheck& cancelled) override {
     return group_->Wait(idle, cancelled, "receiving pages from the peer");
   }
+  bool Abandon(absl::Duration bound) override {
+    std::shared_ptr<UcxWorker::State> state = state_;
+    std::shared_ptr<Group> group = group_;
+    state->Call([&] {
+      CancelReceives(state->worker, *group);
+      return 0;
+    });
+    std::unique_lock lock(group->mu);
+    return group->cv.wait_for(lock, absl::ToChronoNanoseconds(bound),
+                              [&] { return group->inflight == 0; });
+  }
 
  private:
   std::shared_ptr<UcxWorker::State> state_;

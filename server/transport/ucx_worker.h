@@ -64,6 +64,10 @@ class UcxWorker {
     // Blocks until every message arrived (OK), a receive failed, `idle` passed without a
     // message completing (UNAVAILABLE, PEER_UNAVAILABLE), or `cancelled` said so.
     virtual absl::Status Wait(absl::Duration idle, const CancelCheck& cancelled) = 0;
+    // Cancels the receives that have not matched and waits up to `bound` until UCX has
+    // ended every receive, so that none can write any more: true when they all ended. (A
+    // receive that matched ends when its message is in or its peer is given up.)
+    virtual bool Abandon(absl::Duration bound) = 0;
   };
   // Posts receive i of `messages` (the pieces message i fills, in order) under tag
   // tag_base + i; `keep_alive` owns the memory and is released once no receive can write.

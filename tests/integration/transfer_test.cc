@@ -358,6 +358,43 @@ TEST_P(TransferTest, APeerKilledMidTransferFailsTheCallWithinTheBound) {
   }
 }
 
+// The sender of a Push killed mid-transfer: the destination, which receives fresh pages in
+// place, zeroes what landed once its receives end (within the bound) and releases the
+// pages: they read zero again and take a write at once.
+TEST_P(TransferTest, ADestinationWhoseSenderIsKilledZeroesWhatLandedAndReleasesThePages) {
+  constexpr int kPages = 3000;  // x 64 tokens x 528 B x 3 layers: ~300 MB
+  Daemon a(Flags()), b(Flags());
+  testing::CreatePool(a, "src", Layout::kV41, 64, kPages, 3);
+  testing::CreatePool(b, "dst", Layout::kV41, 64, kPages, 3);
+  const auto src = AllPages(a, "src", kPages);
+  const auto dst = AllPages(b, "dst", kPages);
+  std::vector<v1::TokenLocation> where;
+  for (int i = 0; i < 256; ++i) where.push_back(Location(src[i / 64], i % 64));
+  ASSERT_TRUE(testing::WriteTokens(a, "src", 0, where, testing::RandomRows(where.size(), 4)).ok());
+  auto call = std::async(std::launch::async,
+                         [&] { return Push(a, "src", src, Address(b), "dst", dst); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(60));
+  kill(a.pid(), SIGKILL);
+  if (call.get().status.ok()) GTEST_SKIP() << "the transfer finished before the kill";
+  const std::vector<v1::PageHandle> first(dst.begin(), dst.begin() + 8);
+  const std::string zero(8 * 3 * 64 * 528, '\0');
+  std::string now;
+  for (auto until = std::chrono::steady_clock::now() + std::chrono::seconds(12);
+       std::chrono::steady_clock::now() < until;
+       std::this_thread::sleep_for(std::chrono::milliseconds(100))) {
+    now = ReadAll(b, "dst", first);
+    if (now == zero) break;
+  }
+  EXPECT_EQ(now, zero);
+  // Not held any more: a write of one of them commits without waiting for anything.
+  auto write = std::async(std::launch::async, [&] {
+    return testing::WriteTokens(b, "dst", 0, {Location(dst[0], 3)}, testing::RandomRows(1, 5));
+  });
+  ASSERT_EQ(write.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  EXPECT_TRUE(write.get().ok());
+  EXPECT_TRUE(b.Alive());
+}
+
 std::string TransportName(const ::testing::TestParamInfo<std::string>& info) { return info.param; }
 
 INSTANTIATE_TEST_SUITE_P(Transports, TransferTest, ::testing::Values("tcp", "cma"), TransportName);
