@@ -68,7 +68,8 @@ enum class ErrorReason {
   kPeerUnavailable,
   kTransportUnavailable,
   kWorkerNotAccessible,
-  // 55-59: unused.
+  kPagesBusy,
+  // 56-59: unused.
   kDaemonBudgetExhausted = 60,
   kStreamIdleTimeout = 61,
   kStreamTooLong = 62,

@@ -8,6 +8,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "common/errors.h"
 #include "kvferry/kernels/status_macros.h"
 
@@ -172,7 +173,7 @@ std::vector<int64_t> PageTable::TakeUnzeroed() {
 }
 
 absl::StatusOr<PageTable::Pin> PageTable::PinPages(std::span<const PageHandle> handles,
-                                                   bool exclusive) {
+                                                   bool exclusive, absl::Duration max_wait) {
   Pin pin;
   pin.exclusive = exclusive;
   kvferry::MutexLock lock(&mu_);
@@ -203,9 +204,17 @@ absl::StatusOr<PageTable::Pin> PageTable::PinPages(std::span<const PageHandle> h
       }
       return true;
     };
+    const absl::Time give_up = absl::Now() + max_wait;
     while (!none_written()) {
-      mu_.Await(kvferry::Condition(&none_written));
+      const bool free = mu_.AwaitWithTimeout(kvferry::Condition(&none_written),
+                                             std::max(give_up - absl::Now(), absl::ZeroDuration()));
       KVF_RETURN_IF_ERROR(check());
+      if (!free) {
+        return Error(absl::StatusCode::kAborted, ErrorReason::kPagesBusy,
+                     absl::StrCat("pages of pool '", pool_name_, "' were held by another write for ",
+                                  absl::FormatDuration(max_wait),
+                                  " (a transfer receiving into them); nothing was written"));
+      }
     }
     for (int64_t p : pin.pages) pages_[p].writer = true;
   } else {

@@ -17,6 +17,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "kvferry/mutex.h"
 #include "core/types.h"
 
@@ -50,9 +51,12 @@ class PageTable {
     bool exclusive = false;
   };
   // Checks the handles (and that the pool is not deleted) and pins their pages. Repeats
-  // are allowed and pinned once. Exclusive pins wait for other writers of the same pages.
-  absl::StatusOr<Pin> PinPages(std::span<const PageHandle> pages, bool exclusive)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // are allowed and pinned once. Exclusive pins wait for other writers of the same pages,
+  // for at most `max_wait` (then ABORTED, PAGES_BUSY): a writer holds its pages for a commit
+  // (milliseconds), a transfer received in place for as long as UCX may still write them.
+  static constexpr absl::Duration kWriterWait = absl::Seconds(30);
+  absl::StatusOr<Pin> PinPages(std::span<const PageHandle> pages, bool exclusive,
+                               absl::Duration max_wait = kWriterWait) ABSL_LOCKS_EXCLUDED(mu_);
   // Releases a pin. With `written_layer` >= 0, first records `written_tokens` of that layer
   // as written — only for pages whose generation is still the pinned one. Returns pages
   // whose reclaim waited for this pin: the caller zeroes them and calls Reclaimed.

@@ -117,6 +117,28 @@ TEST(PageTableTest, WritersOfOnePageTakeTurnsAndAFreeWakesAWaiterWithAnError) {
   EXPECT_EQ(ReasonOf(second_status), ErrorReason::kStalePageHandle);
 }
 
+// A writer does not wait for ever behind another: past its bound it is refused PAGES_BUSY
+// holding nothing (the first writer keeps its pages, and a third gets them once it is done).
+TEST(PageTableTest, AWriterHeldUpPastItsBoundIsRefusedPagesBusyAndHoldsNothing) {
+  PageTable table("p", 2, 4, 1, 1);
+  auto h = *table.Allocate(2);
+  auto first = table.PinPages({&h[0], 1}, true);
+  ASSERT_TRUE(first.ok());
+  const auto start = std::chrono::steady_clock::now();
+  const absl::StatusOr<PageTable::Pin> late = table.PinPages(h, true, absl::Milliseconds(100));
+  EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(100));
+  EXPECT_EQ(ReasonOf(late.status()), ErrorReason::kPagesBusy);
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kAborted);
+  // h[1] was not taken by the refused writer: another writer gets it at once.
+  auto other = table.PinPages({&h[1], 1}, true, absl::ZeroDuration());
+  ASSERT_TRUE(other.ok()) << other.status();
+  table.Unpin(*other);
+  table.Unpin(*first);
+  auto third = table.PinPages(h, true, absl::ZeroDuration());
+  ASSERT_TRUE(third.ok()) << third.status();
+  table.Unpin(*third);
+}
+
 TEST(PageTableTest, DeletedPoolRefusesPins) {
   PageTable table("p", 1, 4, 1, 1);
   auto h = *table.Allocate(1);
