@@ -98,6 +98,17 @@ std::vector<v1::PageHandle> AllPages(Daemon& d, const std::string& pool, int cou
   return pages;
 }
 
+// A V41 pool on each daemon ("src" on a, "dst" on b) of `pages` pages of `page_size` tokens
+// and `layers` layers, and `allocated` pages of each allocated (in page order).
+struct PoolPair {
+  std::vector<v1::PageHandle> src, dst;
+};
+PoolPair CreatePools(Daemon& a, Daemon& b, int page_size, int pages, int layers, int allocated) {
+  testing::CreatePool(a, "src", Layout::kV41, page_size, pages, layers);
+  testing::CreatePool(b, "dst", Layout::kV41, page_size, pages, layers);
+  return PoolPair{AllPages(a, "src", allocated), AllPages(b, "dst", allocated)};
+}
+
 // A pool on `d` holding golden case `c` in `layout` (layer 0): returns its pages in id order.
 std::vector<v1::PageHandle> GoldenPool(Daemon& d, const std::string& name,
                                        const testing::GoldenCase& c, Layout layout) {
@@ -189,10 +200,9 @@ TEST_P(TransferTest, GoldenPoolsArePushedAndPulledByteForByteAndTranscoded) {
 
 TEST_P(TransferTest, ListedLayersLandInTheSameLayersAndTheOthersStayZero) {
   Daemon a(Flags()), b(Flags());
-  testing::CreatePool(a, "src", Layout::kV41, 16, 8, 3);
-  testing::CreatePool(b, "dst", Layout::kV41, 16, 8, 3);
-  const auto src = AllPages(a, "src", 4);
-  const auto dst = AllPages(b, "dst", 4);
+  const PoolPair pools = CreatePools(a, b, 16, 8, 3, 4);
+  const std::vector<v1::PageHandle>& src = pools.src;
+  const std::vector<v1::PageHandle>& dst = pools.dst;
   std::vector<v1::TokenLocation> where;
   for (const auto& p : src) {
     for (uint32_t s = 0; s < 16; s += 3) where.push_back(Location(p, s));
@@ -217,10 +227,9 @@ TEST_P(TransferTest, FreshPagesAreReceivedInPlaceAndPagesWithRecordsAreStaged) {
   std::vector<std::string> debug = Flags();
   debug.push_back("--log_level=debug");
   Daemon a(Flags()), b(debug, /*capture_log=*/true);
-  testing::CreatePool(a, "src", Layout::kV41, 16, 8, 2);
-  testing::CreatePool(b, "dst", Layout::kV41, 16, 8, 2);
-  const auto src = AllPages(a, "src", 4);
-  const auto dst = AllPages(b, "dst", 4);
+  const PoolPair pools = CreatePools(a, b, 16, 8, 2, 4);
+  const std::vector<v1::PageHandle>& src = pools.src;
+  const std::vector<v1::PageHandle>& dst = pools.dst;
   std::vector<v1::TokenLocation> where;
   for (const auto& p : src) {
     for (uint32_t s = 0; s < 16; s += 5) where.push_back(Location(p, s));
@@ -319,10 +328,9 @@ TEST_P(TransferTest, APeerKilledMidTransferFailsTheCallWithinTheBound) {
   for (const bool kill_destination : {true, false}) {
     SCOPED_TRACE(kill_destination ? "destination killed" : "source killed");
     Daemon a(Flags()), b(Flags());
-    testing::CreatePool(a, "src", Layout::kV41, 64, kPages, 3);
-    testing::CreatePool(b, "dst", Layout::kV41, 64, kPages, 3);
-    const auto src = AllPages(a, "src", kPages);
-    const auto dst = AllPages(b, "dst", kPages);
+    const PoolPair pools = CreatePools(a, b, 64, kPages, 3, kPages);
+    const std::vector<v1::PageHandle>& src = pools.src;
+    const std::vector<v1::PageHandle>& dst = pools.dst;
     std::vector<v1::TokenLocation> where;
     for (int i = 0; i < 64; ++i) where.push_back(Location(src[i], i % 64));
     ASSERT_TRUE(testing::WriteTokens(a, "src", 1, where, testing::RandomRows(where.size(), 3)).ok());
@@ -364,10 +372,9 @@ TEST_P(TransferTest, APeerKilledMidTransferFailsTheCallWithinTheBound) {
 TEST_P(TransferTest, ADestinationWhoseSenderIsKilledZeroesWhatLandedAndReleasesThePages) {
   constexpr int kPages = 3000;  // x 64 tokens x 528 B x 3 layers: ~300 MB
   Daemon a(Flags()), b(Flags());
-  testing::CreatePool(a, "src", Layout::kV41, 64, kPages, 3);
-  testing::CreatePool(b, "dst", Layout::kV41, 64, kPages, 3);
-  const auto src = AllPages(a, "src", kPages);
-  const auto dst = AllPages(b, "dst", kPages);
+  const PoolPair pools = CreatePools(a, b, 64, kPages, 3, kPages);
+  const std::vector<v1::PageHandle>& src = pools.src;
+  const std::vector<v1::PageHandle>& dst = pools.dst;
   std::vector<v1::TokenLocation> where;
   for (int i = 0; i < 256; ++i) where.push_back(Location(src[i / 64], i % 64));
   ASSERT_TRUE(testing::WriteTokens(a, "src", 0, where, testing::RandomRows(where.size(), 4)).ok());
