@@ -34,6 +34,7 @@ struct Group {
   int64_t completed = 0;  // requests completed (progress, for the idle timer)
   absl::Status error;     // the first failure
   bool abandoned = false; // nobody waits: cancelled receives are not errors any more
+  bool released = false;  // receives: abandoned, all ended, and keep_alive dropped
   std::vector<void*> requests;            // receives: by message index, null once complete
   std::vector<size_t> expected;           // receives: bytes of each message
   std::vector<std::vector<ucp_dt_iov_t>> iovs;  // receives: where each message lands
@@ -95,6 +96,7 @@ void OnReceive(void* request, ucs_status_t status, const ucp_tag_recv_info_t* in
   std::unique_ptr<RequestContext> ctx(static_cast<RequestContext*>(user_data));
   Group& g = *ctx->group;
   std::shared_ptr<void> release;  // dropped outside the lock
+  bool last = false;
   {
     std::lock_guard lock(g.mu);
     if (status == UCS_OK && info->length != g.expected[ctx->index]) {
@@ -107,7 +109,17 @@ void OnReceive(void* request, ucs_status_t status, const ucp_tag_recv_info_t* in
     g.requests[ctx->index] = nullptr;
     --g.inflight;
     ++g.completed;
-    if (g.inflight == 0 && g.abandoned) release = std::move(g.keep_alive);
+    if (g.inflight == 0 && g.abandoned) {
+      release = std::move(g.keep_alive);
+      last = true;
+    }
+  }
+  // Dropped before anyone waiting in Abandon can see it: that waiter may hold the other
+  // reference, and the memory's owner must end on its thread, not on this one.
+  release.reset();
+  if (last) {
+    std::lock_guard lock(g.mu);
+    g.released = true;
   }
   g.cv.notify_all();
   ucp_request_free(request);
@@ -388,11 +400,26 @@ class ReceivesImpl final : public UcxWorker::Receives {
     std::shared_ptr<Group> group = group_;
     state->Call([&] {
       CancelReceives(state->worker, *group);
+      // Every receive ended already (before the cancel, or inside it): the memory's hold is
+      // dropped here; otherwise the last receive to end drops it (OnReceive). Both run on
+      // this thread, so the two cannot interleave.
+      std::shared_ptr<void> release;
+      bool ended = false;
+      {
+        std::lock_guard lock(group->mu);
+        ended = group->inflight == 0;
+        if (ended) release = std::move(group->keep_alive);
+      }
+      if (ended) {
+        release.reset();
+        std::lock_guard lock(group->mu);
+        group->released = true;
+      }
       return 0;
     });
     std::unique_lock lock(group->mu);
     return group->cv.wait_for(lock, absl::ToChronoNanoseconds(bound),
-                              [&] { return group->inflight == 0; });
+                              [&] { return group->released; });
   }
 
  private:
