@@ -243,15 +243,12 @@ absl::Status StagedWrite::ReservePages(std::span<const PageHandle> pages,
 std::vector<std::span<uint8_t>> StagedWrite::StagingPieces(int64_t offset, int64_t bytes) const {
   if (!in_place()) return arena_.Pieces(offset, bytes);
   const int64_t page_bytes = pool_->geometry().page_bytes();
-  const int64_t num_pages = pool_->config().num_pages;
   std::vector<std::span<uint8_t>> pieces;
   for (int64_t at = offset; at < offset + bytes;) {
     const StagedPage& p = pages_[static_cast<size_t>(at / page_bytes)];
     const int64_t within = at % page_bytes;
     const int64_t take = std::min(page_bytes - within, offset + bytes - at);
-    uint8_t* where = pool_->base() +
-                     (p.layer * num_pages + static_cast<int64_t>(p.handle.page_id)) * page_bytes +
-                     within;
+    uint8_t* where = pool_->base() + FlatId(p.layer, p.handle.page_id) * page_bytes + within;
     if (!pieces.empty() && pieces.back().data() + pieces.back().size() == where) {
       pieces.back() = std::span<uint8_t>(pieces.back().data(), pieces.back().size() + take);
     } else {
@@ -262,20 +259,21 @@ std::vector<std::span<uint8_t>> StagedWrite::StagingPieces(int64_t offset, int64
   return pieces;
 }
 
-std::vector<int64_t> StagedWrite::FlatIds() const {
-  const int64_t num_pages = pool_->config().num_pages;
-  std::vector<int64_t> ids;
-  ids.reserve(pages_.size());
+StagedWrite::PageColumns StagedWrite::Columns() const {
+  PageColumns c;
   for (const StagedPage& p : pages_) {
-    ids.push_back(p.layer * num_pages + static_cast<int64_t>(p.handle.page_id));
+    c.handles.push_back(p.handle);
+    c.page_ids.push_back(static_cast<int64_t>(p.handle.page_id));
+    c.layers.push_back(p.layer);
+    c.flat_ids.push_back(FlatId(p.layer, p.handle.page_id));
   }
-  return ids;
+  return c;
 }
 
 StagedWrite::~StagedWrite() {
   if (!in_place_pin_) return;
   // The pairs held no record when the write began: zero is what they held.
-  const std::vector<int64_t> ids = FlatIds();
+  const std::vector<int64_t> ids = Columns().flat_ids;
   PageCopyParams zero;
   zero.geometry = pool_->flat_pages();
   zero.pool = pool_->base();
@@ -382,16 +380,7 @@ absl::StatusOr<int64_t> StagedWrite::CommitPages() {
   if (in_place()) return CommitInPlace();
   const int64_t n = static_cast<int64_t>(pages_.size());
   if (n == 0) return 0;
-  const int64_t num_pages = pool_->config().num_pages;
-  std::vector<int64_t> flat_ids(n), page_ids(n);
-  std::vector<int> layers(n);
-  for (int64_t i = 0; i < n; ++i) {
-    page_ids[i] = static_cast<int64_t>(pages_[i].handle.page_id);
-    layers[i] = pages_[i].layer;
-    flat_ids[i] = layers[i] * num_pages + page_ids[i];
-  }
-  std::vector<PageHandle> handles;
-  for (const StagedPage& s : pages_) handles.push_back(s.handle);
+  const auto [handles, page_ids, layers, flat_ids] = Columns();
   PageCopyParams scatter;
   scatter.geometry = pool_->flat_pages();
   scatter.pool = pool_->base();
@@ -435,18 +424,12 @@ absl::StatusOr<int64_t> StagedWrite::CommitPages() {
 // deleted meanwhile fails the write, and the destructor zeroes what landed) and the pairs
 // marked written.
 absl::StatusOr<int64_t> StagedWrite::CommitInPlace() {
-  std::vector<PageHandle> handles;
-  std::vector<int64_t> page_ids;
-  std::vector<int> layers;
-  for (const StagedPage& p : pages_) {
-    handles.push_back(p.handle);
-    page_ids.push_back(static_cast<int64_t>(p.handle.page_id));
-    layers.push_back(p.layer);
-  }
+  const PageColumns c = Columns();
+  const std::vector<PageHandle>& handles = c.handles;
   // The checks of a pin (handles, and the pool not deleted), as the staged commit's.
   KVF_ASSIGN_OR_RETURN(const PageTable::Pin check, pool_->table().PinPages(handles, false));
   pool_->Unpin(check);
-  pool_->UnpinWrittenPages(*in_place_pin_, layers, page_ids);
+  pool_->UnpinWrittenPages(*in_place_pin_, c.layers, c.page_ids);
   in_place_pin_.reset();
   pool_->RenewLeases(handles);
   return static_cast<int64_t>(pages_.size());

@@ -127,8 +127,17 @@ class StagedWrite {
   absl::StatusOr<int64_t> CommitRows();
   absl::StatusOr<int64_t> CommitPages();
   absl::StatusOr<int64_t> CommitInPlace();
-  // Flat ids (layer * num_pages + page) of the staged (page, layer) pairs, in order.
-  std::vector<int64_t> FlatIds() const;
+  // The staged (page, layer) pairs in order, as the page table and the page ops take them.
+  struct PageColumns {
+    std::vector<PageHandle> handles;
+    std::vector<int64_t> page_ids;
+    std::vector<int> layers;
+    std::vector<int64_t> flat_ids;  // layer * num_pages + page: the pool as flat pages
+  };
+  PageColumns Columns() const;
+  int64_t FlatId(int layer, uint64_t page_id) const {
+    return layer * pool_->config().num_pages + static_cast<int64_t>(page_id);
+  }
   // On a host memory pool (cpu): the runs of staged page bytes, in page order, when every
   // page lies within one chunk of the arena; else (or on a device) none.
   std::vector<std::span<uint8_t>> HostPieces() const;
