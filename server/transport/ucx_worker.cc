@@ -154,6 +154,23 @@ void CancelReceives(ucp_worker_h worker, Group& g) {
   for (void* r : posted) ucp_request_cancel(worker, r);
 }
 
+// Progress thread: cancels what is still posted and, once no receive is in flight, drops
+// the group's hold on the memory (otherwise the last receive to end drops it, OnReceive).
+void AbandonReceives(ucp_worker_h worker, Group& g) {
+  CancelReceives(worker, g);
+  std::shared_ptr<void> release;
+  bool ended = false;
+  {
+    std::lock_guard lock(g.mu);
+    ended = g.inflight == 0;
+    if (ended) release = std::move(g.keep_alive);
+  }
+  if (!ended) return;
+  release.reset();  // before `released` says so: a waiter may hold the other reference
+  std::lock_guard lock(g.mu);
+  g.released = true;
+}
+
 }  // namespace
 
 // ---- state shared by the public methods and the progress thread ----------------------------
@@ -385,10 +402,7 @@ class ReceivesImpl final : public UcxWorker::Receives {
     std::shared_ptr<UcxWorker::State> state = state_;
     std::shared_ptr<Group> group = group_;
     state->Call([&] {
-      CancelReceives(state->worker, *group);
-      std::shared_ptr<void> release;
-      std::lock_guard lock(group->mu);
-      if (group->inflight == 0) release = std::move(group->keep_alive);
+      AbandonReceives(state->worker, *group);
       return 0;
     });
   }
@@ -398,23 +412,9 @@ class ReceivesImpl final : public UcxWorker::Receives {
   bool Abandon(absl::Duration bound) override {
     std::shared_ptr<UcxWorker::State> state = state_;
     std::shared_ptr<Group> group = group_;
+    // AbandonReceives and OnReceive both run on the progress thread: they cannot interleave.
     state->Call([&] {
-      CancelReceives(state->worker, *group);
-      // Every receive ended already (before the cancel, or inside it): the memory's hold is
-      // dropped here; otherwise the last receive to end drops it (OnReceive). Both run on
-      // this thread, so the two cannot interleave.
-      std::shared_ptr<void> release;
-      bool ended = false;
-      {
-        std::lock_guard lock(group->mu);
-        ended = group->inflight == 0;
-        if (ended) release = std::move(group->keep_alive);
-      }
-      if (ended) {
-        release.reset();
-        std::lock_guard lock(group->mu);
-        group->released = true;
-      }
+      AbandonReceives(state->worker, *group);
       return 0;
     });
     std::unique_lock lock(group->mu);
