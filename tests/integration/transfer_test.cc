@@ -109,6 +109,16 @@ PoolPair CreatePools(Daemon& a, Daemon& b, int page_size, int pages, int layers,
   return PoolPair{AllPages(a, "src", allocated), AllPages(b, "dst", allocated)};
 }
 
+// Slots 0, step, 2 step, ... (below `page_size`) of every page, page by page.
+std::vector<v1::TokenLocation> EveryStep(const std::vector<v1::PageHandle>& pages,
+                                         uint32_t page_size, uint32_t step) {
+  std::vector<v1::TokenLocation> where;
+  for (const auto& p : pages) {
+    for (uint32_t s = 0; s < page_size; s += step) where.push_back(Location(p, s));
+  }
+  return where;
+}
+
 // A pool on `d` holding golden case `c` in `layout` (layer 0): returns its pages in id order.
 std::vector<v1::PageHandle> GoldenPool(Daemon& d, const std::string& name,
                                        const testing::GoldenCase& c, Layout layout) {
@@ -203,10 +213,7 @@ TEST_P(TransferTest, ListedLayersLandInTheSameLayersAndTheOthersStayZero) {
   const PoolPair pools = CreatePools(a, b, 16, 8, 3, 4);
   const std::vector<v1::PageHandle>& src = pools.src;
   const std::vector<v1::PageHandle>& dst = pools.dst;
-  std::vector<v1::TokenLocation> where;
-  for (const auto& p : src) {
-    for (uint32_t s = 0; s < 16; s += 3) where.push_back(Location(p, s));
-  }
+  const std::vector<v1::TokenLocation> where = EveryStep(src, 16, 3);
   for (int layer = 0; layer < 3; ++layer) {
     const auto rows = testing::RandomRows(where.size(), 100 + layer);
     ASSERT_TRUE(testing::WriteTokens(a, "src", layer, where, rows).ok());
@@ -230,10 +237,7 @@ TEST_P(TransferTest, FreshPagesAreReceivedInPlaceAndPagesWithRecordsAreStaged) {
   const PoolPair pools = CreatePools(a, b, 16, 8, 2, 4);
   const std::vector<v1::PageHandle>& src = pools.src;
   const std::vector<v1::PageHandle>& dst = pools.dst;
-  std::vector<v1::TokenLocation> where;
-  for (const auto& p : src) {
-    for (uint32_t s = 0; s < 16; s += 5) where.push_back(Location(p, s));
-  }
+  const std::vector<v1::TokenLocation> where = EveryStep(src, 16, 5);
   auto count = [&](const std::string& what) {
     const std::string log = b.Log();
     int n = 0;
