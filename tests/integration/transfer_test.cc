@@ -529,6 +529,55 @@ class SenderThatGivesUp final : public v1::Peer::Service {
   const uint64_t page_bytes_;
 };
 
+// A caller of the Peer service that offers bytes into fresh cpu pages and never sends them:
+// the daemon receives those pages in place, so it holds them for writing while it waits.
+// A client's write of one of them meanwhile waits (it does not interleave with the
+// transfer), and lands once the daemon gives the offer up: the page then holds exactly
+// that write (what a fresh page of another pool holds after the same write), the transfer
+// nothing.
+TEST(PeerHostileTest, AWriteOfPagesAnAbandonedOfferHoldsWaitsAndThenLandsAlone) {
+  Daemon d({"--peer_timeout_seconds=3"});
+  testing::CreatePool(d, "dst", Layout::kV41, 16, 8);
+  testing::CreatePool(d, "ref", Layout::kV41, 16, 8);
+  const auto dst = AllPages(d, "dst", 2);
+  const auto ref = AllPages(d, "ref", 2);
+  const uint64_t page_bytes = PageBytes(Layout::kV41, 16);
+  auto stub = v1::Peer::NewStub(d.channel());
+  grpc::ClientContext ctx;
+  auto stream = stub->Exchange(&ctx);
+  v1::PeerMessage m;
+  v1::PeerOffer& o = *m.mutable_offer();
+  o.set_pool("dst");
+  for (const auto& p : dst) *o.add_pages() = p;
+  o.add_layers(0);
+  o.set_layout(v1::LAYOUT_V41);
+  o.set_page_bytes(page_bytes);
+  o.set_message_bytes(page_bytes);
+  o.set_units(2);
+  ASSERT_TRUE(stream->Write(m));
+  v1::PeerMessage reply;
+  ASSERT_TRUE(stream->Read(&reply));
+  ASSERT_TRUE(reply.has_ready());  // receives posted into the pages themselves
+  const auto rows = testing::RandomRows(1, 11);
+  const auto started = std::chrono::steady_clock::now();
+  auto write = std::async(std::launch::async, [&] {
+    return testing::WriteTokens(d, "dst", 0, {Location(dst[1], 3)}, rows);
+  });
+  EXPECT_EQ(write.wait_for(std::chrono::milliseconds(300)), std::future_status::timeout)
+      << "a write of pages a transfer holds went ahead of it";
+  ASSERT_EQ(write.wait_for(std::chrono::seconds(10)), std::future_status::ready);
+  const grpc::Status written = write.get();
+  EXPECT_TRUE(written.ok()) << written.error_message();
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count(), 10);
+  stream->WritesDone();
+  while (stream->Read(&reply)) {
+  }
+  EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::UNAVAILABLE);
+  ASSERT_TRUE(testing::WriteTokens(d, "ref", 0, {Location(ref[1], 3)}, rows).ok());
+  EXPECT_EQ(ReadAll(d, "dst", dst), ReadAll(d, "ref", ref));
+  EXPECT_TRUE(d.Alive());
+}
+
 TEST(PeerHostileTest, APullsSenderThatGivesUpIsHeardWithItsReasonAtOnce) {
   // An idle time far above what the call may take: only the sender's end can finish it.
   Daemon d({"--ucx_transports=tcp", "--peer_timeout_seconds=60"});
