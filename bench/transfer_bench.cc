@@ -40,11 +40,14 @@ std::string Arg(int argc, char** argv, const std::string& name, const std::strin
 }
 
 // ucx_perftest tag_bw, 4 MiB messages, on `transports`: the overall bandwidth in GB/s.
+// With a CUDA transport in the list, both buffers are GPU memory (-m cuda), as the daemons'
+// are when their UCX moves CUDA memory.
 double Perftest(const std::string& perftest, const std::string& transports, int port) {
   const std::string env = "UCX_TLS=" + transports + " ";
   // -e: endpoints with peer error handling, as kvferryd creates them (UCX then uses only
   // transports that report a dead peer: cma, for one, is left out).
-  const std::string args = " -t tag_bw -e -s 4194304 -n 400 -p " + std::to_string(port);
+  std::string args = " -t tag_bw -e -s 4194304 -n 400 -p " + std::to_string(port);
+  if (transports.find("cuda") != std::string::npos) args += " -m cuda";
   const std::string server = env + perftest + args + " > /dev/null 2>&1 &";
   if (std::system(server.c_str()) != 0) return 0;
   std::this_thread::sleep_for(std::chrono::seconds(1));

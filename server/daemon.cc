@@ -188,7 +188,18 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
   d->cache_service_ =
       std::make_unique<KvCacheService>(d->pools_.get(), cache, options.service, d->auth_.get());
   if (options.ucx) {
-    absl::StatusOr<std::unique_ptr<UcxWorker>> ucx = UcxWorker::Create(options.ucx_options);
+    UcxOptions ucx_options = options.ucx_options;
+    if (options.ucx_device_memory && d->default_device_ != "cpu") {
+      // A UCX that moves CUDA memory gets the default device's pool pages directly.
+      std::shared_ptr<Backend> backend = *d->pools_->BackendFor(d->default_device_);
+      ucx_options.device = d->default_device_;
+      ucx_options.bind_device = [backend] {
+        if (absl::Status s = backend->BindThread(); !s.ok()) {
+          log::Warn("ucx: the progress thread cannot use {}: {}", backend->device(), s.ToString());
+        }
+      };
+    }
+    absl::StatusOr<std::unique_ptr<UcxWorker>> ucx = UcxWorker::Create(ucx_options);
     if (ucx.ok()) {
       d->ucx_ = std::move(*ucx);
     } else if (!options.ucx_options.transports.empty() ||

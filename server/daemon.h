@@ -77,6 +77,10 @@ struct DaemonOptions {
   // unless transports or devices were named: then Start fails.
   bool ucx = true;
   UcxOptions ucx_options;
+  // Where the UCX library moves CUDA memory to a peer without the host (cuda_ipc, GPUDirect
+  // RDMA), pages of the default device's pools go to and from UCX in device memory, not
+  // through host staging.
+  bool ucx_device_memory = true;
   PeerOptions peer;
   // Every this many seconds glibc is asked to return free heap memory to the system
   // (malloc_trim); 0: never.
@@ -101,7 +105,13 @@ class Daemon {
   // A one-line description of the security in force, for the start-up log.
   const std::string& security_summary() const { return security_summary_; }
   // The UCX transports in use ("tcp", "default", ...), or "off".
-  std::string ucx_summary() const { return ucx_ ? ucx_->transports() : "off"; }
+  // "off", or the transports and, where UCX moves a GPU's memory, " device_memory=cuda:N".
+  std::string ucx_summary() const {
+    if (!ucx_) return "off";
+    return ucx_->device_memory().empty()
+               ? ucx_->transports()
+               : absl::StrCat(ucx_->transports(), " device_memory=", ucx_->device_memory());
+  }
 
   // Re-reads the token file now (SIGHUP); on an error the tokens in force stay. OK when
   // there is no token file.

@@ -90,6 +90,10 @@ ABSL_FLAG(std::string, ucx_transports, "",
 ABSL_FLAG(std::string, ucx_net_devices, "",
           "UCX_NET_DEVICES: network devices peers reach this daemon on (eth0, mlx5_0:1, ...); "
           "empty: every device UCX finds");
+ABSL_FLAG(bool, ucx_device_memory, true,
+          "Where the UCX library moves CUDA memory to a peer without the host (cuda_ipc on one "
+          "host, GPUDirect RDMA), send and receive the default GPU's pages in device memory; "
+          "false: always through host memory");
 ABSL_FLAG(double, peer_timeout_seconds, 5,
           "A Push/Pull fails UNAVAILABLE when the peer moves nothing for this long");
 ABSL_FLAG(std::string, peer_token_file, "",
@@ -179,6 +183,7 @@ absl::StatusOr<DaemonOptions> OptionsFromFlags(const config::ConfigFile* file) {
   options.ucx = absl::GetFlag(FLAGS_ucx);
   options.ucx_options.transports = absl::GetFlag(FLAGS_ucx_transports);
   options.ucx_options.net_devices = absl::GetFlag(FLAGS_ucx_net_devices);
+  options.ucx_device_memory = absl::GetFlag(FLAGS_ucx_device_memory);
   options.peer.timeout_seconds = absl::GetFlag(FLAGS_peer_timeout_seconds);
   options.peer.token_file = absl::GetFlag(FLAGS_peer_token_file);
   options.peer.tls_ca_file = absl::GetFlag(FLAGS_peer_tls_ca);

@@ -162,6 +162,9 @@ class Backend {
   // True when the device's memory is host memory the CPU addresses directly (cpu): callers
   // may then skip staging copies between the two kinds.
   virtual bool host_memory() const { return false; }
+  // Makes the calling thread use this backend's device (cuda: its context current there),
+  // for a library that takes device pointers on that thread (UCX); nothing on cpu.
+  virtual absl::Status BindThread() { return absl::OkStatus(); }
   // Bytes of device memory that an Allocate could still get, as the device reports it.
   virtual absl::StatusOr<uint64_t> FreeBytes() = 0;
 

@@ -245,6 +245,7 @@ class CudaBackend final : public Backend {
   }
 
   const std::string& device() const override { return device_; }
+  absl::Status BindThread() override { return UseDevice(); }
 
   absl::StatusOr<uint64_t> FreeBytes() override {
     KVF_RETURN_IF_ERROR(UseDevice());

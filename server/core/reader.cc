@@ -67,6 +67,10 @@ absl::Status Reader::Finish(Slot& slot) {
   return s;
 }
 
+void Reader::set_device_output(bool on) {
+  if (next_ == 0 && !slots_[0].busy) device_output_ = on && can_output_on_device_;
+}
+
 void Reader::set_depth(int depth) {
   if (next_ == 0 && !slots_[0].busy && depth >= 2) slots_.resize(static_cast<size_t>(depth));
 }
@@ -90,7 +94,8 @@ absl::StatusOr<std::span<const uint8_t>> Reader::Next() {
     if (absl::Status s = Start(next_ + 1); !s.ok()) return fail(s);
   }
   ++next_;
-  return std::span<const uint8_t>(slot.host.get(), static_cast<size_t>(slot.bytes));
+  return std::span<const uint8_t>(slot.out != nullptr ? slot.out : slot.host.get(),
+                                  static_cast<size_t>(slot.bytes));
 }
 
 // ---- pages -----------------------------------------------------------------------------------
@@ -108,7 +113,9 @@ class PageReader final : public Reader {
         transcode_to_(transcode_to),
         per_batch_(units_per_batch),
         in_page_(pool->geometry().page_bytes()),
-        out_page_(OutputPageBytes(*pool, transcode_to)) {}
+        out_page_(OutputPageBytes(*pool, transcode_to)) {
+    can_output_on_device_ = !pool_->backend().host_memory();
+  }
 
  protected:
   const char* op_name() const override { return transcode_to_ ? "transcode" : "gather_pages"; }
@@ -192,7 +199,12 @@ class PageReader final : public Reader {
       }
       result = dev + dev_converted;
     }
-    ops.push_back(CopyOp{slot.host.get(), result, static_cast<size_t>(n * out_page_)});
+    if (device_output_) {
+      slot.out = result;  // the batch stays where the device put it
+    } else {
+      slot.out = nullptr;
+      ops.push_back(CopyOp{slot.host.get(), result, static_cast<size_t>(n * out_page_)});
+    }
     return Submit(slot, ops, std::move(pin), n * out_page_);
   }
 

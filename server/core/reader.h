@@ -40,11 +40,17 @@ class Reader {
   void Stop();
   // Bytes of the whole output.
   int64_t total_bytes() const { return total_bytes_; }
+  // Whether the batches are left in the device memory of the pool's backend rather than
+  // copied to host memory: a page reader of a pool in device memory (not cpu) may, for a
+  // transport that reads device memory. Only before the first Next().
+  void set_device_output(bool on);
+  bool device_output() const { return device_output_; }
 
  protected:
   struct Slot {
     Buffer host;     // output bytes of one batch, then (page reads) ids and slots
     Buffer device;   // scratch of one batch
+    const uint8_t* out = nullptr;  // where the batch's output is (null: host)
     std::optional<PageTable::Pin> pin;
     Completion done;
     int64_t bytes = 0;
@@ -64,6 +70,8 @@ class Reader {
   virtual const char* op_name() const = 0;
 
   const std::shared_ptr<Pool> pool_;
+  bool can_output_on_device_ = false;  // set by a reader that can
+  bool device_output_ = false;
 
  private:
   absl::Status Start(int64_t index);
@@ -79,7 +87,8 @@ class Reader {
 // Pages in request order, for each page each listed layer in order (all layers when
 // `layers` is empty), as stored or, with `transcode_to`, every written slot transcoded to
 // that layout and every other byte zero. Repeated layers are INVALID_ARGUMENT
-// (DUPLICATE_LAYER); repeated pages are allowed.
+// (DUPLICATE_LAYER); repeated pages are allowed. A pool in device memory (not cpu) may
+// leave its batches there (set_device_output).
 absl::StatusOr<std::unique_ptr<Reader>> ReadPages(std::shared_ptr<Pool> pool,
                                                   std::span<const PageHandle> pages,
                                                   std::span<const int64_t> layers,

@@ -27,7 +27,7 @@ absl::StatusOr<int64_t> StagingArena::Reserve(int64_t bytes) {
   const int64_t offset = size_;
   if (owner_ != nullptr) KVF_RETURN_IF_ERROR(owner_->Charge(Resource::kStagedWriteBytes, bytes));
   while (static_cast<int64_t>(chunks_.size()) * chunk_bytes_ < size_ + bytes) {
-    absl::StatusOr<Buffer> chunk = backend_->Allocate(chunk_bytes_, MemoryKind::kHostStaging, false);
+    absl::StatusOr<Buffer> chunk = backend_->Allocate(chunk_bytes_, kind_, false);
     if (!chunk.ok()) {
       if (owner_ != nullptr) owner_->Refund(Resource::kStagedWriteBytes, bytes);
       return chunk.status();
@@ -82,14 +82,18 @@ absl::StatusOr<std::unique_ptr<StagedWrite>> StagedWrite::ForRows(std::shared_pt
 absl::StatusOr<std::unique_ptr<StagedWrite>> StagedWrite::ForPages(std::shared_ptr<Pool> pool,
                                                                    Layout layout,
                                                                    WriteLimits limits,
-                                                                   int64_t staging_chunk_bytes) {
+                                                                   int64_t staging_chunk_bytes,
+                                                                   bool device_staging) {
   if (layout != pool->config().layout) {
     return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kLayoutMismatch,
                  absl::StrCat("layout mismatch: pages are ", LayoutName(layout), ", pool '",
                               pool->config().name, "' holds ", LayoutName(pool->config().layout)));
   }
+  const MemoryKind kind = device_staging && !pool->backend().host_memory()
+                             ? MemoryKind::kDevice
+                             : MemoryKind::kHostStaging;
   return std::unique_ptr<StagedWrite>(
-      new StagedWrite(std::move(pool), /*rows=*/false, -1, limits, staging_chunk_bytes));
+      new StagedWrite(std::move(pool), /*rows=*/false, -1, limits, staging_chunk_bytes, kind));
 }
 
 absl::Status StagedWrite::CheckGeneration(const PageHandle& page) {
@@ -150,6 +154,10 @@ absl::Status StagedWrite::AddRows(std::span<const TokenLocation> locations,
 
 absl::Status StagedWrite::AddPageBytes(const PageHandle& page, int64_t layer, uint64_t offset,
                                        std::span<const uint8_t> data) {
+  if (device_staging()) {
+    return Error(absl::StatusCode::kInternal, ErrorReason::kInternalError,
+                 "page bytes from the host cannot go into device staging");
+  }
   KVF_RETURN_IF_ERROR(CountMessage(data.empty()));
   if (data.empty()) return absl::OkStatus();  // a first message that only names the pool
   KVF_RETURN_IF_ERROR(pool_->CheckLayer(layer));
@@ -352,8 +360,8 @@ absl::StatusOr<int64_t> StagedWrite::CommitRows() {
   return n;
 }
 
-std::vector<std::span<uint8_t>> StagedWrite::HostPieces() const {
-  if (!pool_->backend().host_memory()) return {};
+std::vector<std::span<uint8_t>> StagedWrite::DirectPieces() const {
+  if (!pool_->backend().host_memory() && !device_staging()) return {};
   const int64_t page_bytes = pool_->geometry().page_bytes();
   std::vector<std::span<uint8_t>> pieces;
   for (const StagedPage& p : pages_) {
@@ -386,14 +394,22 @@ absl::StatusOr<int64_t> StagedWrite::CommitPages() {
   scatter.pool = pool_->base();
   std::vector<Op> ops;
   Buffer staging;
-  const std::vector<std::span<uint8_t>> pieces = HostPieces();
+  const std::vector<std::span<uint8_t>> pieces = DirectPieces();
   if (!pieces.empty()) {
-    // Host memory pool, every page within one piece of the arena: each piece's pages are
-    // scattered from where they were staged.
+    // Host memory pool, or staging in device memory, every page within one piece of the
+    // arena: each piece's pages are scattered from where they were staged (on a device,
+    // with the page ids copied there first).
+    const int64_t* ids = flat_ids.data();
+    if (!pool_->backend().host_memory()) {
+      const size_t id_bytes = flat_ids.size() * sizeof(int64_t);
+      KVF_ASSIGN_OR_RETURN(staging, pool_->backend().Allocate(id_bytes, MemoryKind::kDevice, false));
+      KVF_RETURN_IF_ERROR(pool_->backend().Run(CopyOp{staging.get(), flat_ids.data(), id_bytes}));
+      ids = staging.get<int64_t>();
+    }
     int64_t first = 0;
     for (std::span<uint8_t> piece : pieces) {
       const int64_t count = static_cast<int64_t>(piece.size() / page_bytes);
-      scatter.pages = flat_ids.data() + first;
+      scatter.pages = ids + first;
       scatter.num_listed = count;
       scatter.buffer = piece.data();
       ops.push_back(ScatterPagesOp{scatter});

@@ -35,9 +35,12 @@ struct WriteLimits {
 class StagingArena {
  public:
   static constexpr int64_t kChunkBytes = int64_t{4} << 20;  // a multiple of a bf16 row
+  // `kind`: kHostStaging, or kDevice for bytes that arrive by a transport that writes device
+  // memory (then only Reserve, At, Pieces and CopyOps apply).
   explicit StagingArena(Backend* backend, TenantAccount* owner = nullptr,
-                        int64_t chunk_bytes = kChunkBytes)
-      : backend_(backend), owner_(owner), chunk_bytes_(chunk_bytes) {}
+                        int64_t chunk_bytes = kChunkBytes,
+                        MemoryKind kind = MemoryKind::kHostStaging)
+      : backend_(backend), owner_(owner), chunk_bytes_(chunk_bytes), kind_(kind) {}
   StagingArena(const StagingArena&) = delete;
   StagingArena& operator=(const StagingArena&) = delete;
   ~StagingArena();
@@ -53,11 +56,13 @@ class StagingArena {
   std::vector<std::span<uint8_t>> Pieces(int64_t offset, int64_t bytes) const;
   // Copy ops that move the whole stream to `device` (size() bytes).
   void CopyOps(uint8_t* device, std::vector<Op>& ops) const;
+  MemoryKind kind() const { return kind_; }
 
  private:
   Backend* const backend_;
   TenantAccount* const owner_;
   const int64_t chunk_bytes_;
+  const MemoryKind kind_;
   std::vector<Buffer> chunks_;
   int64_t size_ = 0;
 };
@@ -70,9 +75,12 @@ class StagedWrite {
   // A write of page bytes, which the caller says are in `layout` (must be the pool's).
   // Staging grows in pieces of `staging_chunk_bytes` (a receiver of messages of that size,
   // a multiple of the page bytes, gets each message in one contiguous piece).
+  // `device_staging`: on a pool in device memory (not cpu), the staging is device memory of
+  // the pool's device, for bytes that arrive by a transport that writes device memory
+  // (ReservePages only; AddPageBytes is refused); the commit scatters from it in place.
   static absl::StatusOr<std::unique_ptr<StagedWrite>> ForPages(
       std::shared_ptr<Pool> pool, Layout layout, WriteLimits limits,
-      int64_t staging_chunk_bytes = StagingArena::kChunkBytes);
+      int64_t staging_chunk_bytes = StagingArena::kChunkBytes, bool device_staging = false);
 
   // Rows write: one message's locations and rows ([n, 512] bf16 as little-endian bytes).
   absl::Status AddRows(std::span<const TokenLocation> locations, std::span<const uint8_t> rows);
@@ -108,6 +116,8 @@ class StagedWrite {
 
   Pool& pool() { return *pool_; }
   int64_t staged_bytes() const { return arena_.size(); }
+  // Whether the staging is device memory (ForPages with `device_staging` on a GPU pool).
+  bool device_staging() const { return arena_.kind() == MemoryKind::kDevice; }
 
   // An uncommitted write in place zeroes what it may have written, then unpins.
   ~StagedWrite();
@@ -116,9 +126,10 @@ class StagedWrite {
 
  private:
   StagedWrite(std::shared_ptr<Pool> pool, bool rows, int layer, WriteLimits limits,
-              int64_t staging_chunk_bytes = StagingArena::kChunkBytes)
+              int64_t staging_chunk_bytes = StagingArena::kChunkBytes,
+              MemoryKind staging_kind = MemoryKind::kHostStaging)
       : pool_(std::move(pool)), rows_(rows), layer_(layer), limits_(limits),
-        arena_(&pool_->backend(), pool_->owner().get(), staging_chunk_bytes) {}
+        arena_(&pool_->backend(), pool_->owner().get(), staging_chunk_bytes, staging_kind) {}
   absl::Status CheckGeneration(const PageHandle& page);
   absl::Status CountMessage(bool empty);
   // Device staging holding the arena, then `indices` at *indices_at; copied before any
@@ -138,9 +149,10 @@ class StagedWrite {
   int64_t FlatId(int layer, uint64_t page_id) const {
     return layer * pool_->config().num_pages + static_cast<int64_t>(page_id);
   }
-  // On a host memory pool (cpu): the runs of staged page bytes, in page order, when every
-  // page lies within one chunk of the arena; else (or on a device) none.
-  std::vector<std::span<uint8_t>> HostPieces() const;
+  // The runs of staged page bytes, in page order, when the pool's backend scatters from the
+  // arena where it is (a host memory pool, or staging in device memory) and every page lies
+  // within one chunk of the arena; else none.
+  std::vector<std::span<uint8_t>> DirectPieces() const;
 
   const std::shared_ptr<Pool> pool_;
   const bool rows_;

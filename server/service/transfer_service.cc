@@ -357,6 +357,11 @@ void TransferEngine::Record(const char* op, const std::string& peer, bool sent, 
   if (observer_) observer_(PeerTransferRecord{op, peer, sent, bytes, seconds, status});
 }
 
+bool TransferEngine::UcxMovesMemoryOf(Pool& pool, const std::string& peer_host) const {
+  return ucx_ != nullptr && pool.backend().device() == ucx_->device_memory() &&
+         ucx_->DeviceMemoryTo(!peer_host.empty() && peer_host == ucx_->host());
+}
+
 absl::StatusOr<std::unique_ptr<Reader>> TransferEngine::Offer(
     const std::shared_ptr<Pool>& pool, std::span<const PageHandle> pages,
     const google::protobuf::RepeatedField<uint32_t>& layer_list, v1::Layout transcode_to,
@@ -373,6 +378,7 @@ absl::StatusOr<std::unique_ptr<Reader>> TransferEngine::Offer(
   offer->set_page_bytes(static_cast<uint64_t>(page_bytes));
   offer->set_message_bytes(static_cast<uint64_t>(per_message * page_bytes));
   offer->set_units(pages.size() * layers.size());
+  offer->set_host(ucx_->host());
   return reader;
 }
 
@@ -393,8 +399,10 @@ absl::StatusOr<std::unique_ptr<TransferEngine::Receiving>> TransferEngine::Recei
   // buffer (UCX moves contiguous receives zero-copy; an I/O vector falls back to copies).
   // A host memory pool whose pages hold nothing yet receives in place instead (an I/O vector
   // over the pool's pages): no staging to fault in, no copy at the commit.
+  // A GPU pool whose memory UCX moves itself from this sender is staged in device memory.
   KVF_ASSIGN_OR_RETURN(std::unique_ptr<StagedWrite> write,
-                       StagedWrite::ForPages(pool, layout, write_limits_, static_cast<int64_t>(m)));
+                       StagedWrite::ForPages(pool, layout, write_limits_, static_cast<int64_t>(m),
+                                             UcxMovesMemoryOf(*pool, offer.host())));
   const int64_t page_bytes = pool->geometry().page_bytes();
   if (offer.page_bytes() != static_cast<uint64_t>(page_bytes)) {
     return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kLayoutMismatch,
@@ -419,16 +427,18 @@ absl::StatusOr<std::unique_ptr<TransferEngine::Receiving>> TransferEngine::Recei
   }
   absl::BitGen random;
   const uint64_t id = absl::Uniform<uint64_t>(random, 1, uint64_t{1} << 40);
+  const bool on_device = r->write->device_staging();
   KVF_ASSIGN_OR_RETURN(r->receives, ucx_->PostReceives(UcxTag(id, 0), std::move(messages),
-                                                       r->write));
+                                                       r->write, on_device));
   ready->set_worker_address(ucx_->address());
+  ready->set_host(ucx_->host());
   ready->set_transfer_id(id);
   ready->set_transport(ucx_->transports());
   return r;
 }
 
 absl::Status TransferEngine::SendAll(std::unique_ptr<Reader> owned, const v1::PeerOffer& offer,
-                                     const v1::PeerReady& ready,
+                                     const v1::PeerReady& ready, bool on_device,
                                      const UcxWorker::CancelCheck& cancelled) {
   KVF_ASSIGN_OR_RETURN(std::unique_ptr<UcxWorker::Sender> sender,
                        ucx_->Connect(ready.worker_address()));
@@ -443,6 +453,7 @@ absl::Status TransferEngine::SendAll(std::unique_ptr<Reader> owned, const v1::Pe
   // flight (bench/RESULTS.md).
   constexpr int kDepth = 3;
   reader.set_depth(kDepth);
+  reader.set_device_output(on_device);
   const uint64_t total = offer.units() * offer.page_bytes();
   uint64_t sent = 0;
   auto fail = [&](absl::Status s) {
@@ -468,7 +479,8 @@ absl::Status TransferEngine::SendAll(std::unique_ptr<Reader> owned, const v1::Pe
                         absl::StrCat("batch ", i, " has ", batch->size(), " bytes, expected ",
                                      expected)));
     }
-    if (absl::Status s = sender->Post(UcxTag(ready.transfer_id(), static_cast<uint64_t>(i)), *batch);
+    if (absl::Status s = sender->Post(UcxTag(ready.transfer_id(), static_cast<uint64_t>(i)),
+                                      *batch, reader.device_output());
         !s.ok()) {
       return fail(s);
     }
@@ -496,6 +508,7 @@ absl::Status TransferEngine::Push(const TenantAccount& tenant, const v1::PushReq
   KVF_ASSIGN_OR_RETURN(std::unique_ptr<Reader> reader,
                        Offer(pool, pages, req.layers(), req.transcode_to(), offer.mutable_offer()));
   const Clock::time_point offered = Clock::now();
+  bool from_device = false;
   Clock::time_point got_ready = offered, sent_all = offered;
   offer.mutable_offer()->set_pool(req.to_pool());
   *offer.mutable_offer()->mutable_pages() = req.to_pages();
@@ -510,7 +523,8 @@ absl::Status TransferEngine::Push(const TenantAccount& tenant, const v1::PushReq
     KVF_RETURN_IF_ERROR(call.Write(offer));
     KVF_ASSIGN_OR_RETURN(const v1::PeerMessage ready, call.Read(v1::PeerMessage::kReady));
     got_ready = Clock::now();
-    absl::Status sent = SendAll(std::move(reader), offer.offer(), ready.ready(),
+    from_device = UcxMovesMemoryOf(*pool, ready.ready().host());
+    absl::Status sent = SendAll(std::move(reader), offer.offer(), ready.ready(), from_device,
                                 [&] { return context.IsCancelled(); });
     sent_all = Clock::now();
     if (!sent.ok()) {
@@ -526,9 +540,9 @@ absl::Status TransferEngine::Push(const TenantAccount& tenant, const v1::PushReq
   }();
   const double seconds = Seconds() - start;
   const Clock::time_point end = Clock::now();
-  log::Debug("push of {} bytes: {:.3f} ms (offer {:.3f}, until ready {:.3f}, sending {:.3f}, "
+  log::Debug("push of {} bytes{}: {:.3f} ms (offer {:.3f}, until ready {:.3f}, sending {:.3f}, "
              "until done {:.3f})",
-             bytes, log::Millis(t0, end), log::Millis(t0, offered), log::Millis(offered, got_ready),
+             bytes, from_device ? " from device memory" : "", log::Millis(t0, end), log::Millis(t0, offered), log::Millis(offered, got_ready),
              log::Millis(got_ready, sent_all), log::Millis(sent_all, end));
   Record("push", req.to_address(), true, bytes, seconds, status);
   KVF_RETURN_IF_ERROR(status);
@@ -649,7 +663,10 @@ absl::Status TransferEngine::Serve(
       KVF_ASSIGN_OR_RETURN(const int64_t committed, receiving->Commit());
       log::Debug("push received: {} bytes{}, {:.3f} ms (staging and receives posted {:.3f}, "
                  "bytes {:.3f}, commit {:.3f})",
-                 receiving->bytes, receiving->in_place ? " in place" : "",
+                 receiving->bytes,
+                 receiving->in_place                   ? " in place"
+                 : receiving->write->device_staging() ? " through device staging"
+                                                      : "",
                  log::Millis(t0, Clock::now()), log::Millis(t0, posted),
                  log::Millis(posted, received), log::Millis(received, Clock::now()));
       bytes = static_cast<uint64_t>(receiving->bytes);
@@ -681,7 +698,8 @@ absl::Status TransferEngine::Serve(
       if (!stream->Read(&ready) || !ready.has_ready()) {
         return PeerUnavailable("the receiving peer refused or left before it was ready");
       }
-      KVF_RETURN_IF_ERROR(SendAll(std::move(reader), offer.offer(), ready.ready(), cancelled));
+      KVF_RETURN_IF_ERROR(SendAll(std::move(reader), offer.offer(), ready.ready(),
+                                  UcxMovesMemoryOf(*pool, ready.ready().host()), cancelled));
       bytes = offer.offer().units() * offer.offer().page_bytes();
       v1::PeerMessage done;
       stream->Read(&done);  // the receiver's commit (or its end)

@@ -84,13 +84,19 @@ class TransferEngine {
                                                      const v1::PeerOffer& offer,
                                                      v1::PeerReady* ready);
   // Sender: a reader of the pages and the offer that describes its bytes.
+  // Whether UCX moves `pool`'s memory itself to or from the peer on `peer_host` (a GPU pool
+  // on the device UCX was given, and a transport that reaches that peer without the host:
+  // UcxWorker::DeviceMemoryTo): its bytes are then sent from and received into device
+  // memory, with no copy through the host.
+  bool UcxMovesMemoryOf(Pool& pool, const std::string& peer_host) const;
   absl::StatusOr<std::unique_ptr<Reader>> Offer(const std::shared_ptr<Pool>& pool,
                                                 std::span<const PageHandle> pages,
                                                 const google::protobuf::RepeatedField<uint32_t>& layers,
                                                 v1::Layout transcode_to, v1::PeerOffer* offer);
-  // Sender: every batch of `reader` as one message to the receiver named by `ready`.
+  // Sender: every batch of `reader` as one message to the receiver named by `ready`, from
+  // device memory when `on_device`.
   absl::Status SendAll(std::unique_ptr<Reader> reader, const v1::PeerOffer& offer,
-                       const v1::PeerReady& ready,
+                       const v1::PeerReady& ready, bool on_device,
                        const UcxWorker::CancelCheck& cancelled);
   absl::Duration idle() const { return absl::Seconds(options_.timeout_seconds); }
   void Record(const char* op, const std::string& peer, bool sent, uint64_t bytes, double seconds,

@@ -4,11 +4,14 @@
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <ucp/api/ucp.h>
+#include <uct/api/uct.h>
 #include <unistd.h>
 
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <deque>
+#include <fstream>
 #include <future>
 #include <mutex>
 
@@ -84,6 +87,12 @@ struct Group {
     return error;
   }
 };
+
+// Says what memory a request's buffer is, so that UCX need not look it up.
+void SetMemoryType(ucp_request_param_t& param, bool on_device) {
+  param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+  param.memory_type = on_device ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
+}
 
 // What a UCX callback gets as user data: its group and the message index.
 struct RequestContext {
@@ -169,6 +178,74 @@ void AbandonReceives(ucp_worker_h worker, Group& g) {
   release.reset();  // before `released` says so: a waiter may hold the other reference
   std::lock_guard lock(g.mu);
   g.released = true;
+}
+
+// The transport resources the context selected, as UCX prints them ("resource 3 : md 2 dev 1
+// flags -- rc_mlx5/mlx5_0:1"; UCX_TLS applied).
+std::string ContextResources(ucp_context_h context) {
+  char* text = nullptr;
+  size_t size = 0;
+  FILE* out = open_memstream(&text, &size);
+  if (out == nullptr) return "";
+  ucp_context_print_info(context, out);
+  std::fclose(out);
+  std::string resources(text, size);
+  std::free(text);
+  return resources;
+}
+
+// Whether an RDMA transport the context selected runs on a NIC whose memory domain registers
+// GPU memory (GPUDirect RDMA: the NIC reads and writes the GPU's memory itself).
+bool GpuDirectRdma(const std::string& resources) {
+  uct_component_h* components = nullptr;
+  unsigned num_components = 0;
+  if (uct_query_components(&components, &num_components) != UCS_OK) return false;
+  bool found = false;
+  for (unsigned c = 0; c < num_components && !found; ++c) {
+    uct_component_attr_t attr{};
+    attr.field_mask = UCT_COMPONENT_ATTR_FIELD_NAME | UCT_COMPONENT_ATTR_FIELD_MD_RESOURCE_COUNT;
+    if (uct_component_query(components[c], &attr) != UCS_OK) continue;
+    if (std::string(attr.name) != "ib" || attr.md_resource_count == 0) continue;
+    std::vector<uct_md_resource_desc_t> mds(attr.md_resource_count);
+    attr.field_mask = UCT_COMPONENT_ATTR_FIELD_MD_RESOURCES;
+    attr.md_resources = mds.data();
+    if (uct_component_query(components[c], &attr) != UCS_OK) continue;
+    for (const uct_md_resource_desc_t& md_desc : mds) {
+      const std::string dev = absl::StrCat("/", md_desc.md_name, ":");
+      bool selected = false;
+      for (const char* tl : {"rc_", "dc_", "ud_"}) {
+        for (size_t at = resources.find(tl); at != std::string::npos && !selected;
+             at = resources.find(tl, at + 1)) {
+          const size_t slash = resources.find('/', at);
+          selected = slash != std::string::npos && resources.compare(slash, dev.size(), dev) == 0;
+        }
+      }
+      if (!selected) continue;
+      uct_md_config_t* config = nullptr;
+      if (uct_md_config_read(components[c], nullptr, nullptr, &config) != UCS_OK) continue;
+      uct_md_h md = nullptr;
+      if (uct_md_open(components[c], md_desc.md_name, config, &md) == UCS_OK) {
+        uct_md_attr_t md_attr{};
+        if (uct_md_query(md, &md_attr) == UCS_OK &&
+            (md_attr.cap.reg_mem_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0) {
+          found = true;
+        }
+        uct_md_close(md);
+      }
+      uct_config_release(config);
+      if (found) break;
+    }
+  }
+  uct_release_component_list(components);
+  return found;
+}
+
+// The kernel's boot id: the same for every process of one machine.
+std::string HostId() {
+  std::ifstream in("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  std::getline(in, id);
+  return id;
 }
 
 }  // namespace
@@ -323,8 +400,26 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxOptions& o
   w->transports_ = !options.transports.empty() ? options.transports
                    : env != nullptr             ? std::string(env)
                                                 : std::string("default");
+  // Device memory goes to UCX only where its context says it moves CUDA memory, and then
+  // only to peers that one of its transports reaches without the host.
+  ucp_context_attr_t attr{};
+  attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  if (!options.device.empty() && ucp_context_query(state->context, &attr) == UCS_OK &&
+      (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0) {
+    w->device_memory_ = options.device;
+    const std::string resources = ContextResources(state->context);
+    w->cuda_ipc_ = resources.find(" cuda_ipc/") != std::string::npos;
+    w->gpudirect_rdma_ = GpuDirectRdma(resources);
+    log::Info("ucx: {} memory moves directly to peers on this host: {}, to other hosts: {}",
+              options.device, w->cuda_ipc_ ? "yes (cuda_ipc)" : "no",
+              w->gpudirect_rdma_ ? "yes (GPUDirect RDMA)" : "no");
+  }
+  w->host_ = HostId();
   w->state_ = std::move(state);
-  w->thread_ = std::thread([raw = w.get()] { raw->Loop(); });
+  w->thread_ = std::thread([raw = w.get(), bind = options.bind_device] {
+    if (bind) bind();
+    raw->Loop();
+  });
   return w;
 }
 
@@ -431,7 +526,7 @@ class ReceivesImpl final : public UcxWorker::Receives {
 
 absl::StatusOr<std::unique_ptr<UcxWorker::Receives>> UcxWorker::PostReceives(
     uint64_t tag_base, std::vector<std::vector<std::span<uint8_t>>> messages,
-    std::shared_ptr<void> keep_alive) {
+    std::shared_ptr<void> keep_alive, bool on_device) {
   auto group = std::make_shared<Group>();
   group->keep_alive = std::move(keep_alive);
   group->requests.assign(messages.size(), nullptr);
@@ -454,6 +549,7 @@ absl::StatusOr<std::unique_ptr<UcxWorker::Receives>> UcxWorker::PostReceives(
           UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
       param.cb.recv = OnReceive;
       param.user_data = ctx;
+      SetMemoryType(param, on_device);
       // One piece: a contiguous receive, which UCX's rendezvous moves zero-copy; several:
       // an I/O vector (UCX copies those through bounce buffers).
       const std::vector<ucp_dt_iov_t>& iov = group->iovs[i];
@@ -493,7 +589,7 @@ class SenderImpl final : public UcxWorker::Sender {
       : state_(std::move(state)), endpoint_(std::move(endpoint)),
         group_(std::make_shared<Group>()) {}
 
-  absl::Status Post(uint64_t tag, std::span<const uint8_t> data) override {
+  absl::Status Post(uint64_t tag, std::span<const uint8_t> data, bool on_device) override {
     {
       std::lock_guard lock(group_->mu);
       KVF_RETURN_IF_ERROR(group_->error);
@@ -512,6 +608,7 @@ class SenderImpl final : public UcxWorker::Sender {
       param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
       param.cb.send = OnSend;
       param.user_data = ctx;
+      SetMemoryType(param, on_device);
       void* request = ucp_tag_send_nbx(endpoint_->ep, data.data(), data.size(), tag, &param);
       if (request == nullptr) {
         delete ctx;

@@ -295,8 +295,9 @@ inline v1::Layout ProtoLayout(Layout layout) {
 }
 
 // Creates a pool; fails the test on error.
+// On `device`, or the test device (TestDevice) when empty.
 inline v1::Pool CreatePool(Daemon& d, const std::string& name, Layout layout, int page_size,
-                           int64_t num_pages, int num_layers = 1) {
+                           int64_t num_pages, int num_layers = 1, const std::string& device = "") {
   grpc::ClientContext ctx;
   v1::CreatePoolRequest req;
   req.set_name(name);
@@ -304,7 +305,7 @@ inline v1::Pool CreatePool(Daemon& d, const std::string& name, Layout layout, in
   req.set_page_size(page_size);
   req.set_num_pages(num_pages);
   req.set_num_layers(num_layers);
-  req.set_device(TestDevice());
+  req.set_device(device.empty() ? TestDevice() : device);
   v1::Pool pool;
   const grpc::Status s = d.stub().CreatePool(&ctx, req, &pool);
   EXPECT_TRUE(s.ok()) << s.error_message();

@@ -99,13 +99,15 @@ std::vector<v1::PageHandle> AllPages(Daemon& d, const std::string& pool, int cou
 }
 
 // A V41 pool on each daemon ("src" on a, "dst" on b) of `pages` pages of `page_size` tokens
-// and `layers` layers, and `allocated` pages of each allocated (in page order).
+// and `layers` layers, and `allocated` pages of each allocated (in page order). On `device`,
+// or the test device when empty.
 struct PoolPair {
   std::vector<v1::PageHandle> src, dst;
 };
-PoolPair CreatePools(Daemon& a, Daemon& b, int page_size, int pages, int layers, int allocated) {
-  testing::CreatePool(a, "src", Layout::kV41, page_size, pages, layers);
-  testing::CreatePool(b, "dst", Layout::kV41, page_size, pages, layers);
+PoolPair CreatePools(Daemon& a, Daemon& b, int page_size, int pages, int layers, int allocated,
+                     const std::string& device = "") {
+  testing::CreatePool(a, "src", Layout::kV41, page_size, pages, layers, device);
+  testing::CreatePool(b, "dst", Layout::kV41, page_size, pages, layers, device);
   return PoolPair{AllPages(a, "src", allocated), AllPages(b, "dst", allocated)};
 }
 
@@ -234,7 +236,8 @@ TEST_P(TransferTest, FreshPagesAreReceivedInPlaceAndPagesWithRecordsAreStaged) {
   std::vector<std::string> debug = Flags();
   debug.push_back("--log_level=debug");
   Daemon a(Flags()), b(debug, /*capture_log=*/true);
-  const PoolPair pools = CreatePools(a, b, 16, 8, 2, 4);
+  // Receiving in place is what a host memory pool does, whatever the test device.
+  const PoolPair pools = CreatePools(a, b, 16, 8, 2, 4, "cpu");
   const std::vector<v1::PageHandle>& src = pools.src;
   const std::vector<v1::PageHandle>& dst = pools.dst;
   const std::vector<v1::TokenLocation> where = EveryStep(src, 16, 5);
@@ -537,8 +540,9 @@ class SenderThatGivesUp final : public v1::Peer::Service {
 // nothing.
 TEST(PeerHostileTest, AWriteOfPagesAnAbandonedOfferHoldsWaitsAndThenLandsAlone) {
   Daemon d({"--peer_timeout_seconds=3"});
-  testing::CreatePool(d, "dst", Layout::kV41, 16, 8);
-  testing::CreatePool(d, "ref", Layout::kV41, 16, 8);
+  // Pages held for a transfer in place: a host memory pool, whatever the test device.
+  testing::CreatePool(d, "dst", Layout::kV41, 16, 8, 1, "cpu");
+  testing::CreatePool(d, "ref", Layout::kV41, 16, 8, 1, "cpu");
   const auto dst = AllPages(d, "dst", 2);
   const auto ref = AllPages(d, "ref", 2);
   const uint64_t page_bytes = PageBytes(Layout::kV41, 16);
@@ -602,6 +606,77 @@ TEST(PeerHostileTest, APullsSenderThatGivesUpIsHeardWithItsReasonAtOnce) {
   EXPECT_EQ(StagedBytesSettled(d), 0);
   EXPECT_EQ(ReadAll(d, "dst", dst), std::string(4 * PageBytes(Layout::kV41, 16), '\0'));
   EXPECT_TRUE(d.Alive());
+}
+
+// ---- GPU pools in device memory (label gpu) -------------------------------------------------
+
+// Where the UCX library moves CUDA memory (a build with its cuda_copy / cuda_ipc transports),
+// the pools are on the daemons' GPU and a transport reaches the peer without the host
+// (cuda_ipc: the two daemons share a host), pages leave from the device (the gathered batch
+// is handed to UCX where the GPU put it) and land in device staging that the commit scatters
+// from: no copy through host memory on either side. With cuda_copy alone UCX would pipeline
+// device memory through host fragments of its own, slower than the daemons' staging, so the
+// bytes are staged through the host as without CUDA. Both against the golden pools,
+// transcoded too, and a push to a stale page changes nothing. Skips without a GPU
+// (KVFERRY_TEST_DEVICE=cuda:N) or without such a UCX.
+TEST(TransferDeviceMemoryTest, GpuPoolsLeaveAndLandInDeviceMemoryByteForByte) {
+  const std::string device = testing::TestDevice();
+  if (device.rfind("cuda:", 0) != 0) GTEST_SKIP() << "needs KVFERRY_TEST_DEVICE=cuda:N";
+  const testing::GoldenCase c = testing::GoldenCases()[1];
+  for (const std::string transports : {"tcp,cuda_copy", "tcp,cuda_copy,cuda_ipc"}) {
+    SCOPED_TRACE(transports);
+    const std::vector<std::string> flags = {"--ucx_transports=" + transports,
+                                            "--default_device=" + device, "--log_level=debug"};
+    Daemon a(flags, /*capture_log=*/true), b(flags, /*capture_log=*/true);
+    if (a.Log().find("device_memory=" + device) == std::string::npos) {
+      GTEST_SKIP() << "this UCX moves no CUDA memory (no cuda_copy transport)";
+    }
+    auto count = [](Daemon& d, const std::string& what) {
+      const std::string log = d.Log();
+      int n = 0;
+      for (size_t at = log.find(what); at != std::string::npos; at = log.find(what, at + 1)) ++n;
+      return n;
+    };
+    for (Layout layout : testing::AllLayouts()) {
+      const std::string l = LayoutName(layout);
+      SCOPED_TRACE(l);
+      const auto src = GoldenPool(a, l, c, layout);
+      const std::string golden = AsBytes(testing::ReadBytes(c.file("pool." + l + ".bin")));
+      testing::CreatePool(b, l, layout, c.page_size, c.num_pages);
+      auto dst = AllPages(b, l, static_cast<int>(c.num_pages));
+      std::reverse(dst.begin(), dst.end());
+      Outcome pushed = Push(a, l, src, Address(b), l, dst);
+      ASSERT_TRUE(pushed.status.ok()) << pushed.status.error_message();
+      EXPECT_EQ(ReadAll(b, l, dst), golden);
+      // Pulled back into a fresh pool, and transcoded to V4 on the way.
+      testing::CreatePool(a, l + ".back", layout, c.page_size, c.num_pages);
+      const auto back = AllPages(a, l + ".back", static_cast<int>(c.num_pages));
+      Outcome pulled = Pull(a, l + ".back", back, Address(b), l, dst);
+      ASSERT_TRUE(pulled.status.ok()) << pulled.status.error_message();
+      EXPECT_EQ(ReadAll(a, l + ".back", back), golden);
+      testing::CreatePool(b, l + ".v4", Layout::kV4, c.page_size, c.num_pages);
+      const auto v4 = AllPages(b, l + ".v4", static_cast<int>(c.num_pages));
+      Outcome transcoded = Push(a, l, src, Address(b), l + ".v4", v4, v1::LAYOUT_V4);
+      ASSERT_TRUE(transcoded.status.ok()) << transcoded.status.error_message();
+      EXPECT_EQ(ReadAll(b, l + ".v4", v4),
+                AsBytes(testing::ReadBytes(c.file("transcode." + l + "_to_v4.bin"))));
+      // A stale destination page: refused, the destination as it was.
+      const std::string before = ReadAll(b, l, dst);
+      v1::PageHandle stale = dst[0];
+      stale.set_generation(stale.generation() + 1);
+      std::vector<v1::PageHandle> bad = dst;
+      bad[0] = stale;
+      Outcome refused = Push(a, l, src, Address(b), l, bad);
+      EXPECT_FALSE(refused.status.ok());
+      EXPECT_EQ(ReadAll(b, l, dst), before);
+    }
+    // With cuda_ipc every push left from device memory (per layout: the push, the transcoded
+    // push and the refused one) and every push that landed went through device staging.
+    const bool direct = transports.find("cuda_ipc") != std::string::npos;
+    EXPECT_EQ(count(a, " from device memory:"), direct ? 3 * 3 : 0) << a.Log();
+    EXPECT_EQ(count(b, " through device staging,"), direct ? 2 * 3 : 0) << b.Log();
+    EXPECT_EQ(count(b, "push received:"), 2 * 3) << b.Log();
+  }
 }
 
 TEST(TransferOffTest, ADaemonWithoutUcxSaysSo) {
