@@ -150,8 +150,8 @@ std::string ReadAll(Daemon& d, const std::string& pool, const std::vector<v1::Pa
 //
 // "cuda" (label gpu, pools on KVFERRY_TEST_DEVICE=cuda:N): tcp with UCX's CUDA transports,
 // so that a UCX built with them moves the GPU pools' pages in device memory (cuda_ipc
-// between the two daemons); the transfers there are ten times larger, to be killed while
-// bytes still move.
+// between the two daemons); the transfers there are twenty times larger (6 GB), to be
+// killed while bytes still move.
 class TransferTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
@@ -161,11 +161,12 @@ class TransferTest : public ::testing::TestWithParam<std::string> {
   }
   std::vector<std::string> Flags() const {
     if (GetParam() == "cuda") {
-      return {"--ucx_transports=tcp,cuda_copy,cuda_ipc", "--max_staged_write_bytes=4294967296"};
+      return {"--ucx_transports=tcp,cuda_copy,cuda_ipc", "--max_write_bytes=17179869184",
+              "--max_staged_write_bytes=34359738368", "--tenant_max_staged_write_bytes=17179869184"};
     }
     return {GetParam() == "cma" ? "--ucx_transports=tcp,cma" : "--ucx_transports=" + GetParam()};
   }
-  int Scale() const { return GetParam() == "cuda" ? 10 : 1; }
+  int Scale() const { return GetParam() == "cuda" ? 20 : 1; }
 };
 
 TEST_P(TransferTest, GoldenPoolsArePushedAndPulledByteForByteAndTranscoded) {
