@@ -398,12 +398,12 @@ absl::StatusOr<int64_t> StagedWrite::CommitPages() {
   if (!pieces.empty()) {
     // Host memory pool, or staging in device memory, every page within one piece of the
     // arena: each piece's pages are scattered from where they were staged (on a device,
-    // with the page ids copied there first).
+    // with the page ids copied there by the first op of the same list).
     const int64_t* ids = flat_ids.data();
     if (!pool_->backend().host_memory()) {
       const size_t id_bytes = flat_ids.size() * sizeof(int64_t);
       KVF_ASSIGN_OR_RETURN(staging, pool_->backend().Allocate(id_bytes, MemoryKind::kDevice, false));
-      KVF_RETURN_IF_ERROR(pool_->backend().Run(CopyOp{staging.get(), flat_ids.data(), id_bytes}));
+      ops.push_back(CopyOp{staging.get(), flat_ids.data(), id_bytes});
       ids = staging.get<int64_t>();
     }
     int64_t first = 0;

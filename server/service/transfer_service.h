@@ -83,12 +83,12 @@ class TransferEngine {
                                                      std::span<const PageHandle> pages,
                                                      const v1::PeerOffer& offer,
                                                      v1::PeerReady* ready);
-  // Sender: a reader of the pages and the offer that describes its bytes.
   // Whether UCX moves `pool`'s memory itself to or from the peer on `peer_host` (a GPU pool
   // on the device UCX was given, and a transport that reaches that peer without the host:
   // UcxWorker::DeviceMemoryTo): its bytes are then sent from and received into device
   // memory, with no copy through the host.
   bool UcxMovesMemoryOf(Pool& pool, const std::string& peer_host) const;
+  // Sender: a reader of the pages and the offer that describes its bytes.
   absl::StatusOr<std::unique_ptr<Reader>> Offer(const std::shared_ptr<Pool>& pool,
                                                 std::span<const PageHandle> pages,
                                                 const google::protobuf::RepeatedField<uint32_t>& layers,
