@@ -111,6 +111,14 @@ PoolPair CreatePools(Daemon& a, Daemon& b, int page_size, int pages, int layers,
   return PoolPair{AllPages(a, "src", allocated), AllPages(b, "dst", allocated)};
 }
 
+// How often `what` occurs in the captured log of `d`.
+int LogCount(Daemon& d, const std::string& what) {
+  const std::string log = d.Log();
+  int n = 0;
+  for (size_t at = log.find(what); at != std::string::npos; at = log.find(what, at + 1)) ++n;
+  return n;
+}
+
 // Slots 0, step, 2 step, ... (below `page_size`) of every page, page by page.
 std::vector<v1::TokenLocation> EveryStep(const std::vector<v1::PageHandle>& pages,
                                          uint32_t page_size, uint32_t step) {
@@ -256,12 +264,7 @@ TEST_P(TransferTest, FreshPagesAreReceivedInPlaceAndPagesWithRecordsAreStaged) {
   const std::vector<v1::PageHandle>& src = pools.src;
   const std::vector<v1::PageHandle>& dst = pools.dst;
   const std::vector<v1::TokenLocation> where = EveryStep(src, 16, 5);
-  auto count = [&](const std::string& what) {
-    const std::string log = b.Log();
-    int n = 0;
-    for (size_t at = log.find(what); at != std::string::npos; at = log.find(what, at + 1)) ++n;
-    return n;
-  };
+  auto count = [&](const std::string& what) { return LogCount(b, what); };
   ASSERT_TRUE(testing::WriteTokens(a, "src", 0, where, testing::RandomRows(where.size(), 1)).ok());
   Outcome first = Push(a, "src", src, Address(b), "dst", dst, v1::LAYOUT_UNSPECIFIED, {0});
   ASSERT_TRUE(first.status.ok()) << first.status.error_message();
@@ -647,12 +650,7 @@ TEST(TransferDeviceMemoryTest, GpuPoolsLeaveAndLandInDeviceMemoryByteForByte) {
     if (a.Log().find("device_memory=" + device) == std::string::npos) {
       GTEST_SKIP() << "this UCX moves no CUDA memory (no cuda_copy transport)";
     }
-    auto count = [](Daemon& d, const std::string& what) {
-      const std::string log = d.Log();
-      int n = 0;
-      for (size_t at = log.find(what); at != std::string::npos; at = log.find(what, at + 1)) ++n;
-      return n;
-    };
+    auto count = [](Daemon& d, const std::string& what) { return LogCount(d, what); };
     for (Layout layout : testing::AllLayouts()) {
       const std::string l = LayoutName(layout);
       SCOPED_TRACE(l);
