@@ -202,6 +202,12 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
     absl::StatusOr<std::unique_ptr<UcxWorker>> ucx = UcxWorker::Create(ucx_options);
     if (ucx.ok()) {
       d->ucx_ = std::move(*ucx);
+      d->pools_->SetReleaseListener(d->ucx_->release_listener());
+      UcxWorker* ucx_worker = d->ucx_.get();
+      d->daemon_metrics_->SetRegistrationSource([ucx_worker] {
+        const UcxWorker::Registrations r = ucx_worker->registrations();
+        return DaemonMetrics::Registrations{r.blocks, r.bytes};
+      });
     } else if (!options.ucx_options.transports.empty() ||
                !options.ucx_options.net_devices.empty()) {
       // Asked for by name: a daemon that cannot do what it was configured for does not start.

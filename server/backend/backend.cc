@@ -68,6 +68,20 @@ absl::StatusOr<ExportedMemory> Backend::ExportIpc(const void*) {
                absl::StrCat("CUDA IPC needs a cuda device; this is ", device()));
 }
 
+void Backend::set_release_listener(std::shared_ptr<ReleaseListener> listener) {
+  kvferry::MutexLock lock(&listener_mu_);
+  listener_ = std::move(listener);
+}
+
+void Backend::NotifyRelease(void* base) {
+  std::shared_ptr<ReleaseListener> listener;
+  {
+    kvferry::MutexLock lock(&listener_mu_);
+    listener = listener_;
+  }
+  if (listener != nullptr) listener->Released(base);
+}
+
 absl::Status Backend::Run(std::span<const Op> ops) {
   KVF_ASSIGN_OR_RETURN(Completion done, Submit(ops));
   return done.Wait();

@@ -25,6 +25,7 @@
 #include "kvferry/kernels/compressor.h"
 #include "kvferry/kernels/format.h"
 #include "kvferry/kernels/op_params.h"
+#include "kvferry/mutex.h"
 
 namespace kvferry::server {
 
@@ -34,6 +35,12 @@ class WorkerProcess;
 enum class MemoryKind {
   kDevice,       // the backend's device memory (host memory on cpu)
   kHostStaging,  // host memory for copies to and from the device (pinned on cuda)
+};
+
+// The extent of one allocation, for a transport that registers memory per allocation.
+struct MemoryBlock {
+  const void* base = nullptr;
+  size_t bytes = 0;
 };
 
 // A block of backend memory, released on destruction.
@@ -52,6 +59,7 @@ class Buffer {
   T* get() const { return static_cast<T*>(ptr_); }
   size_t bytes() const { return bytes_; }
   MemoryKind kind() const { return kind_; }
+  MemoryBlock block() const { return {ptr_, bytes_}; }
   void Reset();
 
  private:
@@ -153,9 +161,21 @@ struct ExportedMemory {
   uint64_t offset = 0;     // from the allocation's base to the exported pointer
 };
 
+// Told the base of an allocation just before its backend frees it (not when the backend
+// keeps the block for reuse): whoever registered the block with a transport (UCX) releases
+// that registration first. Called on the freeing thread; must not call back into the backend.
+class ReleaseListener {
+ public:
+  virtual ~ReleaseListener() = default;
+  virtual void Released(void* base) = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
+
+  // The listener told of every allocation freed from now on (null: none).
+  void set_release_listener(std::shared_ptr<ReleaseListener> listener);
 
   // "cpu" or "cuda:N".
   virtual const std::string& device() const = 0;
@@ -196,6 +216,12 @@ class Backend {
  protected:
   friend class Buffer;
   virtual void Release(MemoryKind kind, void* ptr, size_t bytes) = 0;
+  // Implementations call this with each block's base just before they free it.
+  void NotifyRelease(void* base);
+
+ private:
+  kvferry::Mutex listener_mu_;
+  std::shared_ptr<ReleaseListener> listener_ ABSL_GUARDED_BY(listener_mu_);
 };
 
 struct BackendOptions {

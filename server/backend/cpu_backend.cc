@@ -182,6 +182,7 @@ class CpuBackend final : public Backend {
   void Release(MemoryKind kind, void* ptr, size_t bytes) override {
     const size_t rounded = Rounded(bytes);
     if (kind == MemoryKind::kHostStaging && KeepSpare(ptr, rounded)) return;  // still counted
+    NotifyRelease(ptr);
     std::free(ptr);
     held_ -= rounded;
   }
@@ -223,6 +224,7 @@ class CpuBackend final : public Backend {
   void DropSpares() {
     kvferry::MutexLock lock(&spares_mu_);
     for (const auto& [ptr, rounded] : spares_) {
+      NotifyRelease(ptr);
       std::free(ptr);
       held_ -= rounded;
     }

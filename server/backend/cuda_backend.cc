@@ -418,6 +418,7 @@ class CudaBackend final : public Backend {
   void Release(MemoryKind kind, void* ptr, size_t bytes) override {
     BlockCache& cache = kind == MemoryKind::kDevice ? device_cache_ : host_cache_;
     if (cache.Put(ptr, bytes)) return;
+    NotifyRelease(ptr);
     cudaSetDevice(index_);
     if (kind == MemoryKind::kDevice) {
       cudaFree(ptr);
@@ -466,8 +467,14 @@ class CudaBackend final : public Backend {
 
   void DropCaches() {
     cudaSetDevice(index_);
-    for (void* p : device_cache_.Drain()) cudaFree(p);
-    for (void* p : host_cache_.Drain()) cudaFreeHost(p);
+    for (void* p : device_cache_.Drain()) {
+      NotifyRelease(p);
+      cudaFree(p);
+    }
+    for (void* p : host_cache_.Drain()) {
+      NotifyRelease(p);
+      cudaFreeHost(p);
+    }
   }
 
   // Makes this backend's device current on the calling thread.

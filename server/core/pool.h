@@ -85,6 +85,8 @@ class Pool : public std::enable_shared_from_this<Pool> {
   // Base of layer 0; layers follow each other, num_pages * page_bytes apart. Pages are
   // addressed as one flat array of num_layers * num_pages pages: layer * num_pages + page.
   uint8_t* base() const { return memory_.get(); }
+  // The allocation of every page (from base()).
+  MemoryBlock memory() const { return memory_.block(); }
   PageCopyGeometry flat_pages() const {
     return PageCopyGeometry{geometry().page_bytes(), config_.num_pages * config_.num_layers, 1};
   }

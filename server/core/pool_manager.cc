@@ -67,7 +67,15 @@ absl::StatusOr<std::shared_ptr<Backend>> PoolManager::BackendFor(const std::stri
                        options_.make_backend ? options_.make_backend(device)
                                               : MakeBackend(device, options_.backend));
   kvferry::MutexLock lock(&mu_);
-  return backends_.try_emplace(device, std::move(backend)).first->second;
+  auto [it, made] = backends_.try_emplace(device, std::move(backend));
+  if (made) it->second->set_release_listener(release_listener_);
+  return it->second;
+}
+
+void PoolManager::SetReleaseListener(std::shared_ptr<ReleaseListener> listener) {
+  kvferry::MutexLock lock(&mu_);
+  release_listener_ = std::move(listener);
+  for (auto& [device, backend] : backends_) backend->set_release_listener(release_listener_);
 }
 
 absl::StatusOr<std::shared_ptr<Pool>> PoolManager::Create(

@@ -65,6 +65,10 @@ class PoolManager {
   // Called with each pool Delete removes (e.g. to revoke its exports). Set before serving.
   void SetDeleteListener(std::function<void(const Pool&)> listener) { on_delete_ = std::move(listener); }
 
+  // Told of every allocation each backend, made already or later, frees
+  // (Backend::set_release_listener).
+  void SetReleaseListener(std::shared_ptr<ReleaseListener> listener) ABSL_LOCKS_EXCLUDED(mu_);
+
   // The backend of a device ("cpu", "cuda:N"), made on first use.
   absl::StatusOr<std::shared_ptr<Backend>> BackendFor(const std::string& device)
       ABSL_LOCKS_EXCLUDED(mu_);
@@ -84,6 +88,7 @@ class PoolManager {
   // A key maps to null while its pool is being created.
   absl::flat_hash_map<Key, std::shared_ptr<Pool>> pools_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::shared_ptr<Backend>> backends_ ABSL_GUARDED_BY(mu_);
+  std::shared_ptr<ReleaseListener> release_listener_ ABSL_GUARDED_BY(mu_);
   uint64_t next_incarnation_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread lease_thread_;

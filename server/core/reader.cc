@@ -94,6 +94,7 @@ absl::StatusOr<std::span<const uint8_t>> Reader::Next() {
     if (absl::Status s = Start(next_ + 1); !s.ok()) return fail(s);
   }
   ++next_;
+  last_block_ = slot.out != nullptr ? slot.device.block() : slot.host.block();
   return std::span<const uint8_t>(slot.out != nullptr ? slot.out : slot.host.get(),
                                   static_cast<size_t>(slot.bytes));
 }

@@ -248,6 +248,10 @@ absl::Status StagedWrite::ReservePages(std::span<const PageHandle> pages,
   return absl::OkStatus();
 }
 
+MemoryBlock StagedWrite::StagingBlock(int64_t offset) const {
+  return in_place() ? pool_->memory() : arena_.Block(offset);
+}
+
 std::vector<std::span<uint8_t>> StagedWrite::StagingPieces(int64_t offset, int64_t bytes) const {
   if (!in_place()) return arena_.Pieces(offset, bytes);
   const int64_t page_bytes = pool_->geometry().page_bytes();

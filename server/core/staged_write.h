@@ -54,6 +54,8 @@ class StagingArena {
   int64_t size() const { return size_; }
   // The pieces (each within one chunk) of bytes [offset, offset + bytes).
   std::vector<std::span<uint8_t>> Pieces(int64_t offset, int64_t bytes) const;
+  // The chunk a reserved offset lies in.
+  MemoryBlock Block(int64_t offset) const { return chunks_[offset / chunk_bytes_].block(); }
   // Copy ops that move the whole stream to `device` (size() bytes).
   void CopyOps(uint8_t* device, std::vector<Op>& ops) const;
   MemoryKind kind() const { return kind_; }
@@ -109,6 +111,9 @@ class StagedWrite {
   // The pieces of staging (or, in place, of the pool) in order that hold stream bytes
   // [offset, offset + bytes); adjacent pieces are merged.
   std::vector<std::span<uint8_t>> StagingPieces(int64_t offset, int64_t bytes) const;
+  // The allocation the byte at `offset` of that stream lies in: its staging chunk, or the
+  // pool's memory when receiving in place.
+  MemoryBlock StagingBlock(int64_t offset) const;
   void MarkReceived();
 
   // Stores everything: the number of rows (rows write) or (page, layer) pairs stored.

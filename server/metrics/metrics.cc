@@ -266,6 +266,15 @@ std::string DaemonMetrics::Render() const {
       }
     }
   }
+  if (registrations_) {
+    const Registrations r = registrations_();
+    Header(out, "kvferry_ucx_registered_blocks",
+           "Memory blocks (staging, read slots, host memory pools) registered with UCX.", "gauge");
+    absl::StrAppend(&out, "kvferry_ucx_registered_blocks ", r.blocks, "\n");
+    Header(out, "kvferry_ucx_registered_bytes", "Bytes of the blocks registered with UCX.",
+           "gauge");
+    absl::StrAppend(&out, "kvferry_ucx_registered_bytes ", r.bytes, "\n");
+  }
   transfers_.Render(out);
   transfer_bytes_.Render(out);
   transfer_seconds_.Render(out);

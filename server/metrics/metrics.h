@@ -80,6 +80,14 @@ class DaemonMetrics : public OpObserver, public TransferObserver {
     int64_t limit = 0;     // < 0: no limit
   };
   void SetBudgetSource(std::function<std::vector<Budget>()> budgets) { budgets_ = std::move(budgets); }
+  // The memory blocks registered with UCX, read at scrape time (unset: not exported).
+  struct Registrations {
+    int64_t blocks = 0;
+    uint64_t bytes = 0;
+  };
+  void SetRegistrationSource(std::function<Registrations()> source) {
+    registrations_ = std::move(source);
+  }
   void RecordTransfer(const char* op, bool ok, uint64_t bytes, double seconds) override;
 
   // One finished RPC: method name, status code name (e.g. "OK", "INVALID_ARGUMENT") and, for
@@ -105,6 +113,7 @@ class DaemonMetrics : public OpObserver, public TransferObserver {
   std::function<SessionCounts()> sessions_;
   std::function<CacheCounts()> cache_;
   std::function<std::vector<Budget>()> budgets_;
+  std::function<Registrations()> registrations_;
   CounterFamily transfers_;
   CounterFamily transfer_bytes_;
   HistogramFamily transfer_seconds_;

@@ -418,8 +418,10 @@ absl::StatusOr<std::unique_ptr<TransferEngine::Receiving>> TransferEngine::Recei
   r->bytes = static_cast<int64_t>(offer.units()) * page_bytes;
   const int64_t message_bytes = static_cast<int64_t>(m);
   std::vector<std::vector<std::span<uint8_t>>> messages;
+  std::vector<MemoryBlock> blocks;  // registered once each, reused by later transfers
   for (int64_t at = 0; at < r->bytes; at += message_bytes) {
     messages.push_back(r->write->StagingPieces(at, std::min(message_bytes, r->bytes - at)));
+    blocks.push_back(r->write->StagingBlock(at));
   }
   if (messages.size() >= (size_t{1} << kUcxTagIndexBits)) {
     return Error(absl::StatusCode::kResourceExhausted, ErrorReason::kWriteTooLarge,
@@ -429,7 +431,7 @@ absl::StatusOr<std::unique_ptr<TransferEngine::Receiving>> TransferEngine::Recei
   const uint64_t id = absl::Uniform<uint64_t>(random, 1, uint64_t{1} << 40);
   const bool on_device = r->write->device_staging();
   KVF_ASSIGN_OR_RETURN(r->receives, ucx_->PostReceives(UcxTag(id, 0), std::move(messages),
-                                                       r->write, on_device));
+                                                       r->write, on_device, std::move(blocks)));
   ready->set_worker_address(ucx_->address());
   ready->set_host(ucx_->host());
   ready->set_transfer_id(id);
@@ -480,7 +482,7 @@ absl::Status TransferEngine::SendAll(std::unique_ptr<Reader> owned, const v1::Pe
                                      expected)));
     }
     if (absl::Status s = sender->Post(UcxTag(ready.transfer_id(), static_cast<uint64_t>(i)),
-                                      *batch, reader.device_output());
+                                      *batch, reader.device_output(), reader.last_block());
         !s.ok()) {
       return fail(s);
     }

@@ -19,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/errors.h"
 #include "common/log.h"
+#include "kvferry/mutex.h"
 #include "kvferry/kernels/status_macros.h"
 
 namespace kvferry::server {
@@ -92,6 +93,13 @@ struct Group {
 void SetMemoryType(ucp_request_param_t& param, bool on_device) {
   param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
   param.memory_type = on_device ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
+}
+
+// Passes a block's registration, so that UCX need not find or make one.
+void SetMemh(ucp_request_param_t& param, ucp_mem_h memh) {
+  if (memh == nullptr) return;
+  param.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+  param.memh = memh;
 }
 
 // What a UCX callback gets as user data: its group and the message index.
@@ -250,6 +258,88 @@ std::string HostId() {
 
 }  // namespace
 
+// ---- registrations -------------------------------------------------------------------------
+
+// Blocks registered with the context (ucp_mem_map), by base address. Mapped on the progress
+// thread at a block's first use, unmapped on the thread that frees the block (Released) or
+// when the worker ends; the context is created thread-safe for that (mt_workers_shared).
+class UcxWorker::Registry final : public ReleaseListener {
+ public:
+  explicit Registry(ucp_context_h context) : context_(context) {}
+
+  // The registration of the block `data` lies in, made now if it is the block's first use;
+  // null without a block, or where UCX refuses one (the request then registers as before).
+  ucp_mem_h Get(const MemoryBlock& block, const void* data, size_t bytes, bool on_device) {
+    const auto* base = static_cast<const uint8_t*>(block.base);
+    const auto* at = static_cast<const uint8_t*>(data);
+    if (base == nullptr || at < base || at + bytes > base + block.bytes) return nullptr;
+    const ucs_memory_type_t type = on_device ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
+    kvferry::MutexLock lock(&mu_);
+    if (context_ == nullptr) return nullptr;
+    if (auto it = blocks_.find(base); it != blocks_.end()) {
+      if (it->second.bytes == block.bytes && it->second.type == type) return it->second.memh;
+      Unmap(it);  // another block at that address: the old one is gone
+    }
+    ucp_mem_map_params_t params{};
+    params.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                        UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+    params.address = const_cast<uint8_t*>(base);
+    params.length = block.bytes;
+    params.memory_type = type;
+    ucp_mem_h memh = nullptr;
+    if (ucs_status_t s = ucp_mem_map(context_, &params, &memh); s != UCS_OK) {
+      log::Warn("ucx: registering a block of {} bytes: {}; its requests register themselves",
+                block.bytes, ucs_status_string(s));
+      return nullptr;
+    }
+    blocks_.emplace(base, Block{block.bytes, type, memh});
+    bytes_ += block.bytes;
+    return memh;
+  }
+
+  void Released(void* base) override {
+    kvferry::MutexLock lock(&mu_);
+    if (auto it = blocks_.find(static_cast<const uint8_t*>(base)); it != blocks_.end()) Unmap(it);
+  }
+
+  // Unmaps every block; later calls register nothing (the context is about to end).
+  void Close() {
+    kvferry::MutexLock lock(&mu_);
+    while (!blocks_.empty()) Unmap(blocks_.begin());
+    context_ = nullptr;
+  }
+
+  UcxWorker::Registrations Counts() {
+    kvferry::MutexLock lock(&mu_);
+    return {static_cast<int64_t>(blocks_.size()), bytes_};
+  }
+
+ private:
+  struct Block {
+    size_t bytes;
+    ucs_memory_type_t type;
+    ucp_mem_h memh;
+  };
+  using Map = absl::flat_hash_map<const uint8_t*, Block>;
+
+  void Unmap(Map::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (ucs_status_t s = ucp_mem_unmap(context_, it->second.memh); s != UCS_OK) {
+      log::Warn("ucx: releasing a block's registration: {}", ucs_status_string(s));
+    }
+    bytes_ -= it->second.bytes;
+    blocks_.erase(it);
+  }
+
+  kvferry::Mutex mu_;
+  ucp_context_h context_ ABSL_GUARDED_BY(mu_);
+  Map blocks_ ABSL_GUARDED_BY(mu_);
+  uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+std::shared_ptr<ReleaseListener> UcxWorker::release_listener() const { return registry_; }
+
+UcxWorker::Registrations UcxWorker::registrations() const { return registry_->Counts(); }
+
 // ---- state shared by the public methods and the progress thread ----------------------------
 
 struct Endpoint {
@@ -362,8 +452,10 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxOptions& o
     }
   }
   ucp_params_t params{};
-  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
   params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
+  // Registrations are released on the thread that frees their block (Registry).
+  params.mt_workers_shared = 1;
   ucs_status_t s = ucp_init(&params, config, &state->context);
   ucp_config_release(config);
   if (s != UCS_OK) return UcxError("ucp_init", s);
@@ -415,6 +507,7 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxOptions& o
               w->gpudirect_rdma_ ? "yes (GPUDirect RDMA)" : "no");
   }
   w->host_ = HostId();
+  w->registry_ = std::make_shared<Registry>(state->context);
   w->state_ = std::move(state);
   w->thread_ = std::thread([raw = w.get(), bind = options.bind_device] {
     if (bind) bind();
@@ -432,6 +525,7 @@ UcxWorker::~UcxWorker() {
   const uint64_t one = 1;
   [[maybe_unused]] ssize_t n = write(state_->wake_fd, &one, sizeof(one));
   thread_.join();
+  registry_->Close();  // every request has ended; the backends' blocks outlive the context
   ucp_worker_destroy(state_->worker);
   ucp_cleanup(state_->context);
   close(state_->epoll_fd);
@@ -526,7 +620,7 @@ class ReceivesImpl final : public UcxWorker::Receives {
 
 absl::StatusOr<std::unique_ptr<UcxWorker::Receives>> UcxWorker::PostReceives(
     uint64_t tag_base, std::vector<std::vector<std::span<uint8_t>>> messages,
-    std::shared_ptr<void> keep_alive, bool on_device) {
+    std::shared_ptr<void> keep_alive, bool on_device, std::vector<MemoryBlock> blocks) {
   auto group = std::make_shared<Group>();
   group->keep_alive = std::move(keep_alive);
   group->requests.assign(messages.size(), nullptr);
@@ -541,6 +635,7 @@ absl::StatusOr<std::unique_ptr<UcxWorker::Receives>> UcxWorker::PostReceives(
     group->expected.push_back(bytes);
   }
   std::shared_ptr<State> state = state_;
+  Registry& registry = *registry_;
   absl::Status posted = state->Call([&]() -> absl::Status {
     for (size_t i = 0; i < group->iovs.size(); ++i) {
       auto* ctx = new RequestContext{group, static_cast<int64_t>(i)};
@@ -555,6 +650,9 @@ absl::StatusOr<std::unique_ptr<UcxWorker::Receives>> UcxWorker::PostReceives(
       const std::vector<ucp_dt_iov_t>& iov = group->iovs[i];
       const bool contiguous = iov.size() == 1;
       param.datatype = contiguous ? ucp_dt_make_contig(1) : ucp_dt_make_iov();
+      if (contiguous && i < blocks.size()) {
+        SetMemh(param, registry.Get(blocks[i], iov[0].buffer, iov[0].length, on_device));
+      }
       void* request = contiguous
           ? ucp_tag_recv_nbx(state->worker, iov[0].buffer, iov[0].length, tag_base + i,
                              ~ucp_tag_t{0}, &param)
@@ -585,11 +683,13 @@ namespace {
 
 class SenderImpl final : public UcxWorker::Sender {
  public:
-  SenderImpl(std::shared_ptr<UcxWorker::State> state, std::shared_ptr<Endpoint> endpoint)
-      : state_(std::move(state)), endpoint_(std::move(endpoint)),
-        group_(std::make_shared<Group>()) {}
+  SenderImpl(std::shared_ptr<UcxWorker::State> state,
+             std::shared_ptr<UcxWorker::Registry> registry, std::shared_ptr<Endpoint> endpoint)
+      : state_(std::move(state)), registry_(std::move(registry)),
+        endpoint_(std::move(endpoint)), group_(std::make_shared<Group>()) {}
 
-  absl::Status Post(uint64_t tag, std::span<const uint8_t> data, bool on_device) override {
+  absl::Status Post(uint64_t tag, std::span<const uint8_t> data, bool on_device,
+                    MemoryBlock block) override {
     {
       std::lock_guard lock(group_->mu);
       KVF_RETURN_IF_ERROR(group_->error);
@@ -609,6 +709,7 @@ class SenderImpl final : public UcxWorker::Sender {
       param.cb.send = OnSend;
       param.user_data = ctx;
       SetMemoryType(param, on_device);
+      SetMemh(param, registry_->Get(block, data.data(), data.size(), on_device));
       void* request = ucp_tag_send_nbx(endpoint_->ep, data.data(), data.size(), tag, &param);
       if (request == nullptr) {
         delete ctx;
@@ -666,6 +767,7 @@ class SenderImpl final : public UcxWorker::Sender {
   }
 
   std::shared_ptr<UcxWorker::State> state_;
+  std::shared_ptr<UcxWorker::Registry> registry_;
   std::shared_ptr<Endpoint> endpoint_;
   std::shared_ptr<Group> group_;
   int64_t posted_ = 0;
@@ -704,7 +806,7 @@ absl::StatusOr<std::unique_ptr<UcxWorker::Sender>> UcxWorker::Connect(const std:
         return e;
       });
   if (!endpoint.ok()) return endpoint.status();
-  return std::make_unique<SenderImpl>(state_, std::move(*endpoint));
+  return std::make_unique<SenderImpl>(state_, registry_, std::move(*endpoint));
 }
 
 }  // namespace kvferry::server

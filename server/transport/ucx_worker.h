@@ -27,8 +27,16 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "backend/backend.h"
 
 namespace kvferry::server {
+
+// Registrations. A request may name the block (MemoryBlock: an allocation its backend keeps
+// and reuses — a staging chunk, a read slot, a host memory pool) that its bytes lie in. UCX
+// registers a block once, at its first use (ucp_mem_map), and every later request in it
+// passes that registration instead of looking one up; it lasts until the backend frees the
+// block (it tells release_listener()) or the worker ends. Without a block UCX registers per
+// request, through its own registration cache.
 
 struct UcxOptions {
   // UCX_TLS for this daemon's context ("tcp", "sm", "rc,sm,self", ...); empty: UCX's own
@@ -92,9 +100,10 @@ class UcxWorker {
   // Posts receive i of `messages` (the pieces message i fills, in order) under tag
   // tag_base + i; `keep_alive` owns the memory and is released once no receive can write.
   // `on_device`: the pieces are memory of device_memory()'s GPU.
+  // `blocks`: empty, or for each message the block its (single) piece lies in.
   absl::StatusOr<std::unique_ptr<Receives>> PostReceives(
       uint64_t tag_base, std::vector<std::vector<std::span<uint8_t>>> messages,
-      std::shared_ptr<void> keep_alive, bool on_device = false);
+      std::shared_ptr<void> keep_alive, bool on_device = false, std::vector<MemoryBlock> blocks = {});
 
   // A connection to a peer's worker for one transfer.
   class Sender {
@@ -105,23 +114,35 @@ class UcxWorker {
     // A failure (here or in WaitThrough) is UNAVAILABLE (PEER_UNAVAILABLE) when the peer
     // failed or nothing completed for the idle time: the connection is then closed, so no
     // later byte reaches the peer, and UCX has released every buffer posted. `on_device`:
-    // `data` is memory of device_memory()'s GPU.
+    // `data` is memory of device_memory()'s GPU; `block`: the block `data` lies in.
     virtual absl::Status Post(uint64_t tag, std::span<const uint8_t> data,
-                              bool on_device = false) = 0;
+                              bool on_device = false, MemoryBlock block = {}) = 0;
     // Blocks until the first `messages` posted are complete (failure rules as Post).
     virtual absl::Status WaitThrough(int64_t messages, absl::Duration idle,
                                      const CancelCheck& cancelled) = 0;
   };
+  // To be told of every block a backend frees (Backend::set_release_listener): the block's
+  // registration is released before its memory.
+  std::shared_ptr<ReleaseListener> release_listener() const;
+  // Blocks registered now, and their bytes.
+  struct Registrations {
+    int64_t blocks = 0;
+    uint64_t bytes = 0;
+  };
+  Registrations registrations() const;
+
   // An endpoint to the worker at `address` (cached per address while it works).
   absl::StatusOr<std::unique_ptr<Sender>> Connect(const std::string& address);
 
   struct State;  // shared with the UCX callbacks
+  class Registry;
 
  private:
   UcxWorker() = default;
   void Loop();
 
   std::shared_ptr<State> state_;
+  std::shared_ptr<Registry> registry_;
   std::string address_;
   std::string transports_;
   std::string device_memory_;

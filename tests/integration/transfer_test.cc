@@ -286,6 +286,15 @@ TEST_P(TransferTest, FreshPagesAreReceivedInPlaceAndPagesWithRecordsAreStaged) {
   EXPECT_EQ(ReadAll(b, "dst", dst, {1}), ReadAll(a, "src", src, {1}));
   EXPECT_EQ(ReadAll(b, "dst", dst, {0}), layer0);
   EXPECT_EQ(count(" in place,"), 2);
+
+  // The pool's memory was registered with UCX at the first push received in place (its
+  // pages are one block), kept for the next ones, and its registration goes with the pool.
+  const double pool_bytes = PageBytes(Layout::kV41, 16) * 8.0 * 2;
+  const double registered = testing::Sample(testing::Metrics(b), "kvferry_ucx_registered_bytes");
+  EXPECT_GE(registered, pool_bytes);
+  ASSERT_TRUE(testing::DeletePool(b, "dst").ok());
+  EXPECT_EQ(testing::Sample(testing::Metrics(b), "kvferry_ucx_registered_bytes"),
+            registered - pool_bytes);
 }
 
 TEST_P(TransferTest, RefusedTransfersChangeNothingAtTheDestination) {

@@ -1,0 +1,141 @@
+// UcxWorker's registrations: one per memory block, made at the block's first use, reused by
+// later messages in it, released when the block's backend frees it (or the worker ends).
+// Two workers in one process over tcp on loopback; the bytes are checked against the
+// pattern the sender wrote.
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "backend/backend.h"
+#include "gtest/gtest.h"
+#include "transport/ucx_worker.h"
+
+namespace kvferry::server {
+namespace {
+
+constexpr size_t kBlockBytes = size_t{1} << 20;
+
+class UcxRegistrationTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    UcxOptions options;
+    options.transports = "tcp";
+    options.net_devices = "lo";
+    for (auto* w : {&receiver_, &sender_}) {
+      absl::StatusOr<std::unique_ptr<UcxWorker>> made = UcxWorker::Create(options);
+      ASSERT_TRUE(made.ok()) << made.status();
+      *w = std::move(*made);
+    }
+    for (auto* b : {&receiver_backend_, &sender_backend_}) {
+      absl::StatusOr<std::shared_ptr<Backend>> made = MakeBackend("cpu");
+      ASSERT_TRUE(made.ok()) << made.status();
+      *b = std::move(*made);
+    }
+    receiver_backend_->set_release_listener(receiver_->release_listener());
+    sender_backend_->set_release_listener(sender_->release_listener());
+  }
+
+  // On cpu, kDevice is host memory freed when released (as a pool's); kHostStaging is kept
+  // by the backend for reuse.
+  Buffer Block(Backend& backend, uint8_t seed, MemoryKind kind = MemoryKind::kDevice) {
+    absl::StatusOr<Buffer> b = backend.Allocate(kBlockBytes, kind, false);
+    EXPECT_TRUE(b.ok()) << b.status();
+    for (size_t i = 0; i < kBlockBytes; ++i) b->get()[i] = static_cast<uint8_t>(seed + i * 7);
+    return std::move(*b);
+  }
+
+  // Moves `bytes` from src+at to dst+at as one message, each side naming the given blocks.
+  void Move(const Buffer& src, MemoryBlock src_block, const Buffer& dst, MemoryBlock dst_block,
+            size_t at, size_t bytes) {
+    const uint64_t tag = UcxTag(++transfer_, 0);
+    std::vector<std::vector<std::span<uint8_t>>> messages = {{{dst.get() + at, bytes}}};
+    absl::StatusOr<std::unique_ptr<UcxWorker::Receives>> receives = receiver_->PostReceives(
+        tag, std::move(messages), nullptr, false, {dst_block});
+    ASSERT_TRUE(receives.ok()) << receives.status();
+    absl::StatusOr<std::unique_ptr<UcxWorker::Sender>> sender = sender_->Connect(receiver_->address());
+    ASSERT_TRUE(sender.ok()) << sender.status();
+    ASSERT_TRUE((*sender)->Post(tag, {src.get() + at, bytes}, false, src_block).ok());
+    ASSERT_TRUE((*sender)->WaitThrough(1, absl::Seconds(10), nullptr).ok());
+    ASSERT_TRUE((*receives)->Wait(absl::Seconds(10), nullptr).ok());
+    ASSERT_EQ(std::memcmp(dst.get() + at, src.get() + at, bytes), 0);
+  }
+
+  std::unique_ptr<UcxWorker> receiver_, sender_;
+  std::shared_ptr<Backend> receiver_backend_, sender_backend_;
+  uint64_t transfer_ = 0;
+};
+
+TEST_F(UcxRegistrationTest, OneRegistrationPerBlockReusedAndReleasedWhenTheBlockIsFreed) {
+  Buffer src = Block(*sender_backend_, 1);
+  Buffer dst = Block(*receiver_backend_, 2);
+  EXPECT_EQ(receiver_->registrations().blocks, 0);
+
+  Move(src, src.block(), dst, dst.block(), 0, kBlockBytes);
+  EXPECT_EQ(sender_->registrations().blocks, 1);
+  EXPECT_EQ(sender_->registrations().bytes, src.bytes());
+  EXPECT_EQ(receiver_->registrations().blocks, 1);
+  EXPECT_EQ(receiver_->registrations().bytes, dst.bytes());
+
+  // Later messages in the same blocks, whole or a part, reuse the registrations.
+  for (uint8_t* p = src.get(); p < src.get() + kBlockBytes; ++p) *p ^= 0x5a;
+  Move(src, src.block(), dst, dst.block(), 0, kBlockBytes);
+  Move(src, src.block(), dst, dst.block(), 4096, 64 << 10);
+  EXPECT_EQ(sender_->registrations().blocks, 1);
+  EXPECT_EQ(receiver_->registrations().blocks, 1);
+
+  // A block that does not hold the message is not registered; the message still moves.
+  Buffer other = Block(*receiver_backend_, 3);
+  Move(src, other.block(), dst, other.block(), 0, 4096);
+  EXPECT_EQ(sender_->registrations().blocks, 1);
+  EXPECT_EQ(receiver_->registrations().blocks, 1);
+
+  // Freeing a block releases its registration, on that side only.
+  dst.Reset();
+  EXPECT_EQ(receiver_->registrations().blocks, 0);
+  EXPECT_EQ(receiver_->registrations().bytes, 0u);
+  EXPECT_EQ(sender_->registrations().blocks, 1);
+  src.Reset();
+  EXPECT_EQ(sender_->registrations().blocks, 0);
+}
+
+TEST_F(UcxRegistrationTest, StagingKeptForReuseKeepsItsRegistration) {
+  Buffer src = Block(*sender_backend_, 8);
+  Buffer dst = Block(*receiver_backend_, 9, MemoryKind::kHostStaging);
+  const uint8_t* first = dst.get();
+  Move(src, src.block(), dst, dst.block(), 0, kBlockBytes);
+  ASSERT_EQ(receiver_->registrations().blocks, 1);
+  dst.Reset();  // back to the backend's spares: not freed, still registered
+  EXPECT_EQ(receiver_->registrations().blocks, 1);
+  dst = Block(*receiver_backend_, 10, MemoryKind::kHostStaging);
+  ASSERT_EQ(dst.get(), first);  // the spare again
+  Move(src, src.block(), dst, dst.block(), 0, kBlockBytes);
+  EXPECT_EQ(receiver_->registrations().blocks, 1);
+  EXPECT_EQ(receiver_->registrations().bytes, kBlockBytes);
+}
+
+TEST_F(UcxRegistrationTest, ABlockReusedAtTheSameAddressWithAnotherSizeIsRegisteredAgain) {
+  Buffer src = Block(*sender_backend_, 4);
+  Buffer dst = Block(*receiver_backend_, 5);
+  Move(src, src.block(), dst, dst.block(), 0, 4096);
+  // The receiver's block named smaller (as a reused allocation of another size would be):
+  // the old registration goes, the new one covers what is named.
+  Move(src, src.block(), dst, MemoryBlock{dst.get(), 8192}, 0, 4096);
+  EXPECT_EQ(receiver_->registrations().blocks, 1);
+  EXPECT_EQ(receiver_->registrations().bytes, 8192u);
+}
+
+TEST_F(UcxRegistrationTest, BlocksOutliveTheWorker) {
+  Buffer src = Block(*sender_backend_, 6);
+  Buffer dst = Block(*receiver_backend_, 7);
+  Move(src, src.block(), dst, dst.block(), 0, kBlockBytes);
+  ASSERT_EQ(receiver_->registrations().blocks, 1);
+  // The worker ends first (it releases its registrations); freeing the block afterwards
+  // tells a closed registry, which does nothing.
+  std::shared_ptr<ReleaseListener> listener = receiver_->release_listener();
+  receiver_.reset();
+  dst.Reset();
+  listener->Released(src.get());
+}
+
+}  // namespace
+}  // namespace kvferry::server
