@@ -103,6 +103,9 @@ ABSL_FLAG(std::string, peer_tls_ca, "",
           "--tls_cert/--tls_key are offered to them for mutual TLS");
 ABSL_FLAG(int64_t, peer_message_bytes, int64_t{8} << 20,
           "Bytes per UCX message of a Push/Pull (whole pages; at most 64 MiB)");
+ABSL_FLAG(int32_t, peer_send_depth, 3,
+          "Batches of one Push/Pull the sender holds at once, each one message: while one is "
+          "gathered, the others are in flight (2 to 64)");
 ABSL_FLAG(std::string, port_file, "",
           "If set, write 'grpc_port metrics_port' here once listening (for tests and scripts)");
 
@@ -190,10 +193,13 @@ absl::StatusOr<DaemonOptions> OptionsFromFlags(const config::ConfigFile* file) {
   options.peer.tls_cert_file = options.tls.cert_file;
   options.peer.tls_key_file = options.tls.key_file;
   options.peer.message_bytes = absl::GetFlag(FLAGS_peer_message_bytes);
+  options.peer.send_depth = absl::GetFlag(FLAGS_peer_send_depth);
   if (options.peer.timeout_seconds <= 0 || options.peer.message_bytes < 1 ||
-      options.peer.message_bytes > (int64_t{64} << 20)) {
+      options.peer.message_bytes > (int64_t{64} << 20) || options.peer.send_depth < 2 ||
+      options.peer.send_depth > 64) {
     return absl::InvalidArgumentError(
-        "--peer_timeout_seconds must be positive and --peer_message_bytes in [1, 64 MiB]");
+        "--peer_timeout_seconds must be positive, --peer_message_bytes in [1, 64 MiB] and "
+        "--peer_send_depth in [2, 64]");
   }
   for (const auto& [name, value] :
        {std::pair<const char*, int64_t>{"--max_pools", absl::GetFlag(FLAGS_max_pools)},

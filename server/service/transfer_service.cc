@@ -452,8 +452,8 @@ absl::Status TransferEngine::SendAll(std::unique_ptr<Reader> owned, const v1::Pe
   // the call), then message i posted — each message cost its gather plus its wire time, and
   // UCX's rendezvous handshake of each message waited for the one before. At depth 3
   // message i-1 is still on the wire while batch i+1 is gathered, and two messages are in
-  // flight (bench/RESULTS.md).
-  constexpr int kDepth = 3;
+  // flight (bench/RESULTS.md). --peer_send_depth sets it.
+  const int kDepth = options_.send_depth;
   reader.set_depth(kDepth);
   reader.set_device_output(on_device);
   const uint64_t total = offer.units() * offer.page_bytes();

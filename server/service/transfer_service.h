@@ -41,6 +41,9 @@ struct PeerOptions {
   std::string tls_key_file;
   // Bytes per UCX message (rounded down to whole pages, at least one page).
   int64_t message_bytes = int64_t{8} << 20;
+  // Batches of a transfer the sender holds at once: while one is gathered, depth - 1
+  // messages are in flight (at least 2).
+  int send_depth = 3;
 };
 
 // One finished transfer, for the metrics.
