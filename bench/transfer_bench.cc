@@ -136,6 +136,7 @@ int main(int argc, char** argv) {
       for (const auto& p : dst) *req.add_to_pages() = p;
       auto stub = v1::Transfer::NewStub(a.channel());
       double best = 1e9;
+      std::vector<double> times;  // ms, every rep in order
       for (int r = 0; r < reps; ++r) {
         if (r > 0) {
           // Fresh destination pages each time, as a decode node allocates for each request
@@ -161,6 +162,7 @@ int main(int argc, char** argv) {
           return 1;
         }
         best = std::min(best, took);
+        times.push_back(took * 1e3);
       }
       // The same bytes over gRPC: ReadPages from the source daemon.
       double grpc_best = 1e9;
@@ -177,6 +179,9 @@ int main(int argc, char** argv) {
           "ceiling(ucx_perftest tag_bw 4MiB)=%.2f GB/s ratio=%.0f%%\n",
           t.c_str(), device.c_str(), peer_device.c_str(), moved, gbs, best * 1e3,
           moved / grpc_best / 1e9, ceiling, ceiling > 0 ? 100.0 * gbs / ceiling : 0.0);
+      std::printf("  every push (ms):");
+      for (double t : times) std::printf(" %.1f", t);
+      std::printf("\n");
       std::fflush(stdout);
       if (std::getenv("TRANSFER_BENCH_METRICS") != nullptr) {
         for (Daemon* d : {&a, &b}) {

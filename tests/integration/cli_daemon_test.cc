@@ -24,7 +24,7 @@ class CliTest : public ::testing::Test {
   // Runs `kvferry --target <daemon> <args>` through the shell.
   CliRun Kvferry(const std::string& args) {
     const std::string out = d_.dir() + "/out.txt", err = d_.dir() + "/err.txt";
-    const std::string command = std::string(KVFERRY_CLI) + " --target 127.0.0.1:" +
+    const std::string command = testing::CliPath() + " --target 127.0.0.1:" +
                                 std::to_string(d_.grpc_port()) + " " + args + " > " + out +
                                 " 2> " + err;
     const int status = std::system(command.c_str());
@@ -157,7 +157,7 @@ TEST_F(CliTest, ExitCodesSayUsageOrErrorAndMessagesNameTheReason) {
   EXPECT_EQ(r.code, 0);
   EXPECT_NE(r.out.find("kvferry pool create NAME"), std::string::npos);
   // No daemon there: health fails with exit 1.
-  const std::string command = std::string(KVFERRY_CLI) + " health --target 127.0.0.1:1 --timeout 2 > /dev/null 2>&1";
+  const std::string command = testing::CliPath() + " health --target 127.0.0.1:1 --timeout 2 > /dev/null 2>&1";
   const int status = std::system(command.c_str());
   EXPECT_EQ(WEXITSTATUS(status), 1);
 }
@@ -217,7 +217,7 @@ TEST(CliAuthTest, TheTokenFileAuthenticatesAndItsAbsenceIsAnError) {
                          "/tokens && printf 'cli-token-1\\n' > " + d + "/token").c_str()),
             0);
   testing::Daemon daemon({"--auth_tokens=" + d + "/tokens"});
-  const std::string base = std::string(KVFERRY_CLI) + " --target 127.0.0.1:" +
+  const std::string base = testing::CliPath() + " --target 127.0.0.1:" +
                            std::to_string(daemon.grpc_port()) + " ";
   auto run = [&](const std::string& args) {
     const int status = std::system((base + args + " > " + d + "/out 2> " + d + "/err").c_str());
@@ -249,7 +249,7 @@ TEST(CliTlsTest, MutualTlsServesTheClientWithItsCertificateOnly) {
   testing::WriteFile(d + "/client.key", client.KeyPem());
   testing::Daemon daemon({"--tls_cert=" + d + "/server.pem", "--tls_key=" + d + "/server.key",
                           "--tls_client_ca=" + d + "/ca.pem"});
-  const std::string base = std::string(KVFERRY_CLI) + " --timeout 5 --target 127.0.0.1:" +
+  const std::string base = testing::CliPath() + " --timeout 5 --target 127.0.0.1:" +
                            std::to_string(daemon.grpc_port()) + " ";
   auto run = [&](const std::string& args) {
     const int status = std::system((base + args + " > /dev/null 2>&1").c_str());

@@ -54,6 +54,14 @@ inline std::string DaemonPath() {
   return d != nullptr && *d != '\0' ? d : KVFERRY_DAEMON_PATH;
 }
 
+#ifdef KVFERRY_CLI
+// The kvferry command: set by CMake, or KVFERRY_CLI when run from elsewhere.
+inline std::string CliPath() {
+  const char* c = std::getenv("KVFERRY_CLI");
+  return c != nullptr && *c != '\0' ? c : KVFERRY_CLI;
+}
+#endif
+
 // Adds `authorization: Bearer <token>` to every call of a channel (call credentials would
 // need a secure channel; this works on plaintext loopback too).
 class BearerToken final : public grpc::experimental::ClientInterceptorFactoryInterface {

@@ -773,7 +773,7 @@ TEST(TransferCliTest, PushAndPullThroughTheCommand) {
   write_pages(dir + "/dst.json", dst);
   write_pages(dir + "/back.json", back);
   auto kvferry = [&](Daemon& d, const std::string& args) {
-    const std::string command = std::string(KVFERRY_CLI) + " --json --target " + Address(d) + " " +
+    const std::string command = testing::CliPath() + " --json --target " + Address(d) + " " +
                                 args + " > " + dir + "/out.txt 2> " + dir + "/err.txt";
     const int status = std::system(command.c_str());
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
