@@ -8,7 +8,9 @@
 //                       [--sizes-mib 64,1024] [--daemon-arg FLAG]...   (e.g. --daemon-arg --log_level=debug: the
 //                                                 daemons' phase timings of each transfer)
 // Prints one line per (transport, size): GB/s of Push, of ReadPages, the ceiling, and the
-// ratio. GB = 1e9 bytes.
+// ratio. GB = 1e9 bytes. For cuda pools it also measures, in the same run, the issue's other
+// ceiling of GPU pools: pinned host <-> device copies (cudaMemcpy of 256 MiB, the slower
+// direction), and prints the ratio to min(ucx_perftest, that copy).
 #include <grpcpp/grpcpp.h>
 #include <sys/wait.h>
 
@@ -16,8 +18,13 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
+
+#if defined(KVFERRY_BENCH_CUDA)
+#include <cuda_runtime_api.h>
+#endif
 
 #include "integration/daemon_harness.h"
 #include "kvferry/v1/kvferry.grpc.pb.h"
@@ -66,6 +73,37 @@ double Perftest(const std::string& perftest, const std::string& transports, int 
   return mbs * 1048576.0 / 1e9;
 }
 
+// Pinned host <-> device copy rate of `device` ("cuda:N"), GB/s: the slower direction of
+// 256 MiB cudaMemcpy, best of 5 each. 0 for cpu or without CUDA.
+double PinnedCopyGBs(const std::string& device) {
+#if defined(KVFERRY_BENCH_CUDA)
+  if (device.rfind("cuda:", 0) != 0) return 0;
+  if (cudaSetDevice(std::atoi(device.c_str() + 5)) != cudaSuccess) return 0;
+  const size_t bytes = size_t{256} << 20;
+  void* host = nullptr;
+  void* dev = nullptr;
+  if (cudaMallocHost(&host, bytes) != cudaSuccess || cudaMalloc(&dev, bytes) != cudaSuccess) {
+    return 0;
+  }
+  std::memset(host, 1, bytes);
+  double best[2] = {1e9, 1e9};
+  for (int r = 0; r < 6; ++r) {
+    for (int dir = 0; dir < 2; ++dir) {
+      const double start = Now();
+      if (dir == 0) cudaMemcpy(dev, host, bytes, cudaMemcpyHostToDevice);
+      else cudaMemcpy(host, dev, bytes, cudaMemcpyDeviceToHost);
+      if (r > 0) best[dir] = std::min(best[dir], Now() - start);  // the first warms up
+    }
+  }
+  cudaFree(dev);
+  cudaFreeHost(host);
+  return static_cast<double>(bytes) / std::max(best[0], best[1]) / 1e9;
+#else
+  (void)device;
+  return 0;
+#endif
+}
+
 std::vector<v1::PageHandle> Allocate(Daemon& d, const std::string& pool, int64_t count) {
   std::vector<v1::PageHandle> pages;
   while (static_cast<int64_t>(pages.size()) < count) {
@@ -107,6 +145,8 @@ int main(int argc, char** argv) {
   constexpr int kPageSize = 64;
   const int64_t page_bytes = kvferry::PageBytes(kvferry::Layout::kV41, kPageSize);  // 33792
   int port = 13400;
+  const double copy = PinnedCopyGBs(device);
+  if (copy > 0) std::printf("pinned host<->device copy on %s: %.2f GB/s\n", device.c_str(), copy);
   for (const std::string& t : transports) {
     const double ceiling = Perftest(perftest, t, port++);
     setenv("KVFERRY_TEST_DEVICE", device.c_str(), 1);
@@ -179,6 +219,11 @@ int main(int argc, char** argv) {
           "ceiling(ucx_perftest tag_bw 4MiB)=%.2f GB/s ratio=%.0f%%\n",
           t.c_str(), device.c_str(), peer_device.c_str(), moved, gbs, best * 1e3,
           moved / grpc_best / 1e9, ceiling, ceiling > 0 ? 100.0 * gbs / ceiling : 0.0);
+      if (copy > 0) {
+        const double issue = std::min(ceiling, copy);
+        std::printf("  ceiling min(ucx_perftest, pinned copy)=%.2f GB/s ratio=%.0f%%\n", issue,
+                    100.0 * gbs / issue);
+      }
       std::printf("  every push (ms):");
       for (double t : times) std::printf(" %.1f", t);
       std::printf("\n");

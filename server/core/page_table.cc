@@ -6,39 +6,12 @@
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
-#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "common/errors.h"
 #include "kvferry/kernels/status_macros.h"
 
 namespace kvferry::server {
-
-namespace {
-
-// The pages of a list seen so far (ids in range: their handles were checked): a bitmap over
-// the pool's pages for long lists (a page-form transfer names thousands), a hash set for
-// short ones.
-class SeenPages {
- public:
-  SeenPages(size_t listed, int64_t num_pages)
-      : bits_(listed >= 256 ? static_cast<size_t>((num_pages + 63) / 64) : 0, 0) {}
-  // True the first time `page` is offered.
-  bool Insert(uint64_t page) {
-    if (bits_.empty()) return set_.insert(page).second;
-    uint64_t& word = bits_[page / 64];
-    const uint64_t bit = uint64_t{1} << (page % 64);
-    const bool fresh = (word & bit) == 0;
-    word |= bit;
-    return fresh;
-  }
-
- private:
-  std::vector<uint64_t> bits_;
-  absl::flat_hash_set<uint64_t> set_;
-};
-
-}  // namespace
 
 PageTable::PageTable(std::string pool_name, int64_t num_pages, int page_size, int num_layers,
                      uint64_t incarnation)

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -22,6 +23,29 @@
 #include "core/types.h"
 
 namespace kvferry::server {
+
+// The pages of a list seen so far (ids below the pool's page count: their handles were checked): a bitmap over
+// the pool's pages for long lists (a page-form transfer names thousands), a hash set for
+// short ones.
+class SeenPages {
+ public:
+  SeenPages(size_t listed, int64_t num_pages)
+      : bits_(listed >= 256 ? static_cast<size_t>((num_pages + 63) / 64) : 0, 0) {}
+  // True the first time `page` is offered.
+  bool Insert(uint64_t page) {
+    if (bits_.empty()) return set_.insert(page).second;
+    uint64_t& word = bits_[page / 64];
+    const uint64_t bit = uint64_t{1} << (page % 64);
+    const bool fresh = (word & bit) == 0;
+    word |= bit;
+    return fresh;
+  }
+
+ private:
+  std::vector<uint64_t> bits_;
+  absl::flat_hash_set<uint64_t> set_;
+};
+
 
 class PageTable {
  public:

@@ -211,19 +211,31 @@ absl::Status StagedWrite::ReservePages(std::span<const PageHandle> pages,
                  absl::StrCat(units, " pages of ", page_bytes, " bytes exceed the limit of ",
                               limits_.max_bytes, " bytes per write; split it"));
   }
-  for (int64_t layer : layers) KVF_RETURN_IF_ERROR(pool_->CheckLayer(layer));
+  // Checked as a whole: the handles under one lock of the page table, repeats through
+  // bitmaps. (A transfer names tens of thousands of pages: per-page locks and hash maps cost
+  // more than its bytes take to move.) Each page is then named once with a valid handle, so
+  // no page can be named at two generations.
+  std::vector<char> layer_seen(static_cast<size_t>(pool_->config().num_layers), 0);
+  for (int64_t layer : layers) {
+    KVF_RETURN_IF_ERROR(pool_->CheckLayer(layer));
+    if (layer_seen[static_cast<size_t>(layer)]++ != 0) {
+      return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kDuplicatePage,
+                   absl::StrCat("layer ", layer, " is named twice: every listed page would be ",
+                                "named twice as a destination"));
+    }
+  }
+  KVF_RETURN_IF_ERROR(pool_->table().CheckHandles(pages));
+  SeenPages seen(pages.size(), pool_->config().num_pages);
   for (const PageHandle& page : pages) {
-    KVF_RETURN_IF_ERROR(pool_->table().CheckHandle(page));
-    KVF_RETURN_IF_ERROR(CheckGeneration(page));
+    if (!seen.Insert(page.page_id)) {
+      return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kDuplicatePage,
+                   absl::StrCat("page ", page.page_id, " is named twice as a destination"));
+    }
+  }
+  // The byte stream: for each page in order, each layer in order, one page of bytes.
+  pages_.reserve(static_cast<size_t>(units));
+  for (const PageHandle& page : pages) {
     for (int64_t layer : layers) {
-      auto [it, inserted] = page_index_.try_emplace(
-          std::make_pair(page.page_id, static_cast<int>(layer)), pages_.size());
-      if (!inserted) {
-        return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kDuplicatePage,
-                     absl::StrCat("page ", page.page_id, " layer ", layer,
-                                  " is named twice as a destination"));
-      }
-      // The offset in the byte stream; staging below keeps it (the arena is one stream).
       const int64_t at = static_cast<int64_t>(pages_.size()) * page_bytes;
       pages_.push_back(StagedPage{page, static_cast<int>(layer), at, 0});
     }
@@ -242,8 +254,11 @@ absl::Status StagedWrite::ReservePages(std::span<const PageHandle> pages,
     }
     pool_->Unpin(pin);
   }
-  for (StagedPage& p : pages_) {
-    KVF_ASSIGN_OR_RETURN(p.offset, arena_.Reserve(page_bytes));
+  // One reservation for the whole stream: page i at i * page_bytes, as listed above.
+  KVF_ASSIGN_OR_RETURN(const int64_t start, arena_.Reserve(units * page_bytes));
+  if (start != 0) {
+    return Error(absl::StatusCode::kInternal, ErrorReason::kInternalError,
+                 "pages reserved into a write that staged bytes already");
   }
   return absl::OkStatus();
 }
@@ -367,6 +382,13 @@ absl::StatusOr<int64_t> StagedWrite::CommitRows() {
 std::vector<std::span<uint8_t>> StagedWrite::DirectPieces() const {
   if (!pool_->backend().host_memory() && !device_staging()) return {};
   const int64_t page_bytes = pool_->geometry().page_bytes();
+  // Pages staged back to back from offset 0 in chunks of whole pages (every pages write
+  // stages that way): the arena's own pieces.
+  bool in_order = arena_.chunk_bytes() % page_bytes == 0;
+  for (size_t i = 0; i < pages_.size() && in_order; ++i) {
+    in_order = pages_[i].offset == static_cast<int64_t>(i) * page_bytes;
+  }
+  if (in_order) return arena_.Pieces(0, arena_.size());
   std::vector<std::span<uint8_t>> pieces;
   for (const StagedPage& p : pages_) {
     std::vector<std::span<uint8_t>> at = arena_.Pieces(p.offset, page_bytes);

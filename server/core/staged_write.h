@@ -59,6 +59,7 @@ class StagingArena {
   // Copy ops that move the whole stream to `device` (size() bytes).
   void CopyOps(uint8_t* device, std::vector<Op>& ops) const;
   MemoryKind kind() const { return kind_; }
+  int64_t chunk_bytes() const { return chunk_bytes_; }
 
  private:
   Backend* const backend_;

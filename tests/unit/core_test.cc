@@ -536,6 +536,46 @@ TEST(CoreWriteTest, PagesReceivedInPlaceCommitOrAreZeroedAgainAndPagesWithRecord
   EXPECT_EQ(read(), stream(3));
 }
 
+// Pages reserved for a transfer are checked as a whole: a repeated page (short lists and
+// the bitmap of long ones), a repeated or missing layer and a stale handle are refused; a
+// long staged write in chunks of whole pages lands byte for byte.
+TEST(CoreWriteTest, ReservedPagesAreCheckedAsAWholeAndLandInOrder) {
+  auto pool = MakePool(Layout::kV41, 16, 600, 2);
+  const auto h = *pool->AllocatePages(600);
+  const int64_t page_bytes = pool->geometry().page_bytes();
+  auto reason = [&](std::vector<PageHandle> pages, std::vector<int64_t> layers) {
+    auto w = *StagedWrite::ForPages(pool, Layout::kV41, WriteLimits{});
+    return ReasonOf(w->ReservePages(pages, layers, /*in_place=*/false));
+  };
+  EXPECT_EQ(reason({h[0], h[1], h[0]}, {0}), ErrorReason::kDuplicatePage);
+  std::vector<PageHandle> many(h.begin(), h.begin() + 300);
+  many.push_back(h[299]);
+  EXPECT_EQ(reason(many, {1}), ErrorReason::kDuplicatePage);
+  EXPECT_EQ(reason({h[0], h[1]}, {1, 0, 1}), ErrorReason::kDuplicatePage);
+  EXPECT_EQ(reason({h[0], h[1]}, {2}), ErrorReason::kLayerOutOfRange);
+  ASSERT_TRUE(pool->FreePages({&h[599], 1}).ok());
+  EXPECT_EQ(reason({h[0], h[599]}, {0}), ErrorReason::kStalePageHandle);
+
+  // 500 pages x 2 layers staged in chunks of 7 pages, received in messages of one chunk.
+  const std::vector<PageHandle> dst(h.rbegin() + 1, h.rbegin() + 501);
+  const std::vector<int64_t> layers = {1, 0};
+  auto w = *StagedWrite::ForPages(pool, Layout::kV41, WriteLimits{}, 7 * page_bytes);
+  ASSERT_TRUE(w->ReservePages(dst, layers, /*in_place=*/false).ok());
+  const int64_t total = static_cast<int64_t>(dst.size() * layers.size()) * page_bytes;
+  ASSERT_EQ(w->staged_bytes(), total);
+  std::vector<uint8_t> bytes(static_cast<size_t>(total));
+  std::mt19937 rng(5);
+  for (uint8_t& b : bytes) b = static_cast<uint8_t>(rng());
+  for (int64_t at = 0; at < total; at += 7 * page_bytes) {
+    const std::vector<std::span<uint8_t>> pieces = w->StagingPieces(at, std::min(7 * page_bytes, total - at));
+    ASSERT_EQ(pieces.size(), 1u);
+    std::memcpy(pieces[0].data(), bytes.data() + at, pieces[0].size());
+  }
+  w->MarkReceived();
+  ASSERT_EQ(*w->Commit(), 1000);
+  EXPECT_EQ(*Drain(ReadPages(pool, dst, layers, std::nullopt, 1 << 20)), bytes);
+}
+
 // In place, a page freed before the commit fails the write: nothing is marked written and
 // what landed is zeroed again when the write ends, the freed page's too.
 TEST(CoreWriteTest, AWriteInPlaceWhosePageWasFreedCommitsNothing) {
