@@ -56,6 +56,35 @@ std::vector<PageHandle> FromProto(const google::protobuf::RepeatedPtrField<v1::P
   return out;
 }
 
+absl::StatusOr<std::vector<PageHandle>> PagesFromProto(
+    const google::protobuf::RepeatedPtrField<v1::PageHandle>& handles, bool has_list,
+    const v1::PageList& list, const char* side) {
+  if (!has_list) return FromProto(handles);
+  if (!handles.empty()) {
+    return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                 absl::StrCat("give the ", side, " pages as handles or as a packed list, not both"));
+  }
+  if (list.page_ids_size() != list.generations_size()) {
+    return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                 absl::StrCat("the packed ", side, " page list has ", list.page_ids_size(),
+                              " page ids and ", list.generations_size(), " generations"));
+  }
+  std::vector<PageHandle> pages(list.page_ids_size());
+  const uint64_t* ids = list.page_ids().data();
+  const uint64_t* generations = list.generations().data();
+  for (size_t i = 0; i < pages.size(); ++i) pages[i] = {ids[i], generations[i]};
+  return pages;
+}
+
+void PackPages(const google::protobuf::RepeatedPtrField<v1::PageHandle>& pages, v1::PageList* out) {
+  out->mutable_page_ids()->Reserve(pages.size());
+  out->mutable_generations()->Reserve(pages.size());
+  for (const v1::PageHandle& p : pages) {
+    out->add_page_ids(p.page_id());
+    out->add_generations(p.generation());
+  }
+}
+
 std::vector<TokenLocation> FromProto(
     const google::protobuf::RepeatedPtrField<v1::TokenLocation>& locations) {
   std::vector<TokenLocation> out(locations.size());

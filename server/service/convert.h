@@ -19,6 +19,14 @@ absl::StatusOr<std::optional<Layout>> TranscodeFromProto(v1::Layout layout);
 PageHandle FromProto(const v1::PageHandle& handle);
 void ToProto(const PageHandle& handle, v1::PageHandle* out);
 std::vector<PageHandle> FromProto(const google::protobuf::RepeatedPtrField<v1::PageHandle>& pages);
+// A list of pages given as handles or packed (one of the two; `has_list` says the packed
+// one was set): INVALID_ARGUMENT (INVALID_REQUEST) for both, or for packed arrays of two
+// lengths. `side` names the list in the message ("destination").
+absl::StatusOr<std::vector<PageHandle>> PagesFromProto(
+    const google::protobuf::RepeatedPtrField<v1::PageHandle>& handles, bool has_list,
+    const v1::PageList& list, const char* side);
+// `pages` packed.
+void PackPages(const google::protobuf::RepeatedPtrField<v1::PageHandle>& pages, v1::PageList* out);
 std::vector<TokenLocation> FromProto(
     const google::protobuf::RepeatedPtrField<v1::TokenLocation>& locations);
 

@@ -54,27 +54,6 @@ std::vector<BlockSlot> FromProto(const google::protobuf::RepeatedPtrField<v1::Bl
   return out;
 }
 
-// A transfer's pages: the handle list or the packed one (one of them).
-absl::StatusOr<std::vector<PageHandle>> Pages(
-    const google::protobuf::RepeatedPtrField<v1::PageHandle>& handles, bool has_list,
-    const v1::PageList& list, const char* side) {
-  if (!has_list) return server::FromProto(handles);
-  if (!handles.empty()) {
-    return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
-                 absl::StrCat("give the ", side, " pages as handles or as a packed list, not both"));
-  }
-  if (list.page_ids_size() != list.generations_size()) {
-    return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
-                 absl::StrCat("the packed ", side, " page list has ", list.page_ids_size(),
-                              " page ids and ", list.generations_size(), " generations"));
-  }
-  std::vector<PageHandle> pages(list.page_ids_size());
-  const uint64_t* ids = list.page_ids().data();
-  const uint64_t* generations = list.generations().data();
-  for (size_t i = 0; i < pages.size(); ++i) pages[i] = {ids[i], generations[i]};
-  return pages;
-}
-
 template <typename Request>
 TransferRequest Common(const Request& req, const TenantAccount& caller) {
   TransferRequest t;
@@ -208,7 +187,7 @@ grpc::Status SessionService::Save(grpc::ServerContext* context, const v1::SaveRe
     t.blocks = FromProto(req->sources());
     t.locations = server::FromProto(req->destinations());
     t.tensor_blocks.assign(req->source_blocks().begin(), req->source_blocks().end());
-    KVF_ASSIGN_OR_RETURN(t.pages, Pages(req->destination_pages(), req->has_destination_page_list(),
+    KVF_ASSIGN_OR_RETURN(t.pages, server::PagesFromProto(req->destination_pages(), req->has_destination_page_list(),
                                         req->destination_page_list(), "destination"));
     KVF_ASSIGN_OR_RETURN(const int64_t tokens, sessions_->Save(t));
     out->set_tokens(tokens);
@@ -240,7 +219,7 @@ grpc::Status SessionService::Load(grpc::ServerContext* context, const v1::LoadRe
     }
     t.locations = server::FromProto(req->sources());
     t.blocks = FromProto(req->destinations());
-    KVF_ASSIGN_OR_RETURN(t.pages, Pages(req->source_pages(), req->has_source_page_list(),
+    KVF_ASSIGN_OR_RETURN(t.pages, server::PagesFromProto(req->source_pages(), req->has_source_page_list(),
                                         req->source_page_list(), "source"));
     KVF_ASSIGN_OR_RETURN(const int64_t tokens, sessions_->Load(t));
     out->set_tokens(tokens);

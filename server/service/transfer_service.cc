@@ -513,7 +513,7 @@ absl::Status TransferEngine::Push(const TenantAccount& tenant, const v1::PushReq
   bool from_device = false;
   Clock::time_point got_ready = offered, sent_all = offered;
   offer.mutable_offer()->set_pool(req.to_pool());
-  *offer.mutable_offer()->mutable_pages() = req.to_pages();
+  PackPages(req.to_pages(), offer.mutable_offer()->mutable_page_list());
   KVF_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, Channel(req.to_address()));
   v1::Peer::Stub stub(channel);
   const double start = Seconds();
@@ -576,7 +576,7 @@ absl::Status TransferEngine::Pull(const TenantAccount& tenant, const v1::PullReq
     v1::PeerMessage request;
     v1::PeerRequest& r = *request.mutable_request();
     r.set_pool(req.from_pool());
-    *r.mutable_pages() = req.from_pages();
+    PackPages(req.from_pages(), r.mutable_page_list());
     *r.mutable_layers() = req.layers();
     r.set_transcode_to(req.transcode_to());
     r.set_num_destination_pages(pages.size());
@@ -650,7 +650,9 @@ absl::Status TransferEngine::Serve(
     uint64_t bytes = 0;
     absl::Status status = [&]() -> absl::Status {
       KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Get(tenant, offer.pool()));
-      const std::vector<PageHandle> pages = FromProto(offer.pages());
+      KVF_ASSIGN_OR_RETURN(const std::vector<PageHandle> pages,
+                           PagesFromProto(offer.pages(), offer.has_page_list(),
+                                          offer.page_list(), "destination"));
       v1::PeerMessage ready;
       using Clock = std::chrono::steady_clock;
       const Clock::time_point t0 = Clock::now();
@@ -686,11 +688,13 @@ absl::Status TransferEngine::Serve(
     uint64_t bytes = 0;
     absl::Status status = [&]() -> absl::Status {
       KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Get(tenant, request.pool()));
-      if (request.num_destination_pages() != static_cast<uint64_t>(request.pages_size())) {
+      KVF_ASSIGN_OR_RETURN(const std::vector<PageHandle> pages,
+                           PagesFromProto(request.pages(), request.has_page_list(),
+                                          request.page_list(), "source"));
+      if (request.num_destination_pages() != pages.size()) {
         return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
                      "source and destination page counts differ");
       }
-      const std::vector<PageHandle> pages = FromProto(request.pages());
       v1::PeerMessage offer;
       KVF_ASSIGN_OR_RETURN(std::unique_ptr<Reader> reader,
                            Offer(pool, pages, request.layers(), request.transcode_to(),

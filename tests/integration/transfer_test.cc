@@ -490,6 +490,20 @@ TEST(PeerHostileTest, MalformedOrAbandonedOffersAreRefusedAndLeaveNothingBehind)
     EXPECT_EQ(exchange({bad}, &reason).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
     EXPECT_EQ(reason, "INVALID_REQUEST");
   }
+  // Destination pages given twice (as handles and packed), or packed with a generation
+  // missing.
+  v1::PeerMessage both = offer(2, page_bytes, page_bytes);
+  for (const auto& p : dst) {
+    both.mutable_offer()->mutable_page_list()->add_page_ids(p.page_id());
+    both.mutable_offer()->mutable_page_list()->add_generations(p.generation());
+  }
+  v1::PeerMessage short_list = both;
+  short_list.mutable_offer()->clear_pages();
+  short_list.mutable_offer()->mutable_page_list()->mutable_generations()->RemoveLast();
+  for (const v1::PeerMessage& bad : {both, short_list}) {
+    EXPECT_EQ(exchange({bad}, &reason).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_EQ(reason, "INVALID_REQUEST");
+  }
   // The right page count but another page size.
   EXPECT_EQ(exchange({offer(2, page_bytes * 2, page_bytes * 2)}, &reason).error_code(),
             grpc::StatusCode::FAILED_PRECONDITION);
@@ -544,7 +558,7 @@ class SenderThatGivesUp final : public v1::Peer::Service {
     o.set_layout(v1::LAYOUT_V41);
     o.set_page_bytes(page_bytes_);
     o.set_message_bytes(page_bytes_);
-    o.set_units(request.request().pages_size());
+    o.set_units(request.request().page_list().page_ids_size());  // daemons send them packed
     stream->Write(offer);
     v1::PeerMessage ready;
     if (!stream->Read(&ready) || !ready.has_ready()) {
