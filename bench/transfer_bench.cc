@@ -170,10 +170,18 @@ int main(int argc, char** argv) {
       auto dst = Allocate(b, "dst", n);
       v1::PushRequest req;
       req.set_pool("src");
-      for (const auto& p : src) *req.add_pages() = p;
+      // Packed page lists, as the clients send them.
+      auto pack = [](const std::vector<v1::PageHandle>& pages, v1::PageList* out) {
+        out->Clear();
+        for (const auto& p : pages) {
+          out->add_page_ids(p.page_id());
+          out->add_generations(p.generation());
+        }
+      };
+      pack(src, req.mutable_page_list());
       req.set_to_address("127.0.0.1:" + std::to_string(b.grpc_port()));
       req.set_to_pool("dst");
-      for (const auto& p : dst) *req.add_to_pages() = p;
+      pack(dst, req.mutable_to_page_list());
       auto stub = v1::Transfer::NewStub(a.channel());
       double best = 1e9;
       std::vector<double> times;  // ms, every rep in order
@@ -189,8 +197,7 @@ int main(int argc, char** argv) {
             }
           }
           dst = Allocate(b, "dst", n);
-          req.clear_to_pages();
-          for (const auto& p : dst) *req.add_to_pages() = p;
+          pack(dst, req.mutable_to_page_list());
         }
         grpc::ClientContext ctx;
         v1::TransferPagesResponse resp;

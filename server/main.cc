@@ -106,6 +106,11 @@ ABSL_FLAG(int64_t, peer_message_bytes, int64_t{8} << 20,
 ABSL_FLAG(int32_t, peer_send_depth, 3,
           "Batches of one Push/Pull the sender holds at once, each one message: while one is "
           "gathered, the others are in flight (2 to 64)");
+ABSL_FLAG(int64_t, peer_device_message_bytes, int64_t{32} << 20,
+          "Bytes per UCX message of a Push/Pull of pages UCX moves in device memory (cuda_ipc, "
+          "GPUDirect RDMA; whole pages; at most 64 MiB)");
+ABSL_FLAG(int32_t, peer_device_send_depth, 4,
+          "--peer_send_depth for pages UCX moves in device memory (2 to 64)");
 ABSL_FLAG(std::string, port_file, "",
           "If set, write 'grpc_port metrics_port' here once listening (for tests and scripts)");
 
@@ -194,12 +199,17 @@ absl::StatusOr<DaemonOptions> OptionsFromFlags(const config::ConfigFile* file) {
   options.peer.tls_key_file = options.tls.key_file;
   options.peer.message_bytes = absl::GetFlag(FLAGS_peer_message_bytes);
   options.peer.send_depth = absl::GetFlag(FLAGS_peer_send_depth);
-  if (options.peer.timeout_seconds <= 0 || options.peer.message_bytes < 1 ||
-      options.peer.message_bytes > (int64_t{64} << 20) || options.peer.send_depth < 2 ||
-      options.peer.send_depth > 64) {
+  options.peer.device_message_bytes = absl::GetFlag(FLAGS_peer_device_message_bytes);
+  options.peer.device_send_depth = absl::GetFlag(FLAGS_peer_device_send_depth);
+  auto bad_size = [](int64_t bytes) { return bytes < 1 || bytes > (int64_t{64} << 20); };
+  auto bad_depth = [](int depth) { return depth < 2 || depth > 64; };
+  if (options.peer.timeout_seconds <= 0 || bad_size(options.peer.message_bytes) ||
+      bad_size(options.peer.device_message_bytes) || bad_depth(options.peer.send_depth) ||
+      bad_depth(options.peer.device_send_depth)) {
     return absl::InvalidArgumentError(
-        "--peer_timeout_seconds must be positive, --peer_message_bytes in [1, 64 MiB] and "
-        "--peer_send_depth in [2, 64]");
+        "--peer_timeout_seconds must be positive, --peer_message_bytes and "
+        "--peer_device_message_bytes in [1, 64 MiB], --peer_send_depth and "
+        "--peer_device_send_depth in [2, 64]");
   }
   for (const auto& [name, value] :
        {std::pair<const char*, int64_t>{"--max_pools", absl::GetFlag(FLAGS_max_pools)},

@@ -76,12 +76,12 @@ absl::StatusOr<std::vector<PageHandle>> PagesFromProto(
   return pages;
 }
 
-void PackPages(const google::protobuf::RepeatedPtrField<v1::PageHandle>& pages, v1::PageList* out) {
-  out->mutable_page_ids()->Reserve(pages.size());
-  out->mutable_generations()->Reserve(pages.size());
-  for (const v1::PageHandle& p : pages) {
-    out->add_page_ids(p.page_id());
-    out->add_generations(p.generation());
+void PackPages(std::span<const PageHandle> pages, v1::PageList* out) {
+  out->mutable_page_ids()->Reserve(static_cast<int>(pages.size()));
+  out->mutable_generations()->Reserve(static_cast<int>(pages.size()));
+  for (const PageHandle& p : pages) {
+    out->add_page_ids(p.page_id);
+    out->add_generations(p.generation);
   }
 }
 

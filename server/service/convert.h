@@ -2,6 +2,7 @@
 #pragma once
 
 #include <optional>
+#include <span>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -26,7 +27,7 @@ absl::StatusOr<std::vector<PageHandle>> PagesFromProto(
     const google::protobuf::RepeatedPtrField<v1::PageHandle>& handles, bool has_list,
     const v1::PageList& list, const char* side);
 // `pages` packed.
-void PackPages(const google::protobuf::RepeatedPtrField<v1::PageHandle>& pages, v1::PageList* out);
+void PackPages(std::span<const PageHandle> pages, v1::PageList* out);
 std::vector<TokenLocation> FromProto(
     const google::protobuf::RepeatedPtrField<v1::TokenLocation>& locations);
 

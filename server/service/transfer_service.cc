@@ -369,8 +369,11 @@ absl::StatusOr<std::unique_ptr<Reader>> TransferEngine::Offer(
   KVF_ASSIGN_OR_RETURN(const std::optional<Layout> transcode, TranscodeFromProto(transcode_to));
   const std::vector<int64_t> layers = Layers(layer_list, *pool);
   const int64_t page_bytes = OutputPageBytes(*pool, transcode);
+  const bool device = ucx_->DeviceMemoryToAnyPeer() &&
+                      pool->backend().device() == ucx_->device_memory();
+  const int64_t message_bytes = device ? options_.device_message_bytes : options_.message_bytes;
   const int64_t per_message =
-      std::max<int64_t>(1, std::min(options_.message_bytes, kMaxMessageBytes) / page_bytes);
+      std::max<int64_t>(1, std::min(message_bytes, kMaxMessageBytes) / page_bytes);
   KVF_ASSIGN_OR_RETURN(std::unique_ptr<Reader> reader,
                        server::ReadPages(pool, pages, layers, transcode, per_message * page_bytes));
   for (int64_t l : layers) offer->add_layers(static_cast<uint32_t>(l));
@@ -452,8 +455,9 @@ absl::Status TransferEngine::SendAll(std::unique_ptr<Reader> owned, const v1::Pe
   // the call), then message i posted — each message cost its gather plus its wire time, and
   // UCX's rendezvous handshake of each message waited for the one before. At depth 3
   // message i-1 is still on the wire while batch i+1 is gathered, and two messages are in
-  // flight (bench/RESULTS.md). --peer_send_depth sets it.
-  const int kDepth = options_.send_depth;
+  // flight (bench/RESULTS.md). --peer_send_depth sets it (--peer_device_send_depth for
+  // batches left in device memory).
+  const int kDepth = on_device ? options_.device_send_depth : options_.send_depth;
   reader.set_depth(kDepth);
   reader.set_device_output(on_device);
   const uint64_t total = offer.units() * offer.page_bytes();
@@ -498,14 +502,18 @@ absl::Status TransferEngine::Push(const TenantAccount& tenant, const v1::PushReq
                                   grpc::ServerContext& context, v1::TransferPagesResponse* out) {
   KVF_RETURN_IF_ERROR(CheckUcx());
   KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Get(tenant, req.pool()));
-  if (req.to_pages_size() != req.pages_size()) {
-    return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
-                 absl::StrCat(req.pages_size(), " source pages but ", req.to_pages_size(),
-                              " destination pages; name one destination page per source page"));
-  }
   using Clock = std::chrono::steady_clock;
   const Clock::time_point t0 = Clock::now();
-  const std::vector<PageHandle> pages = FromProto(req.pages());
+  KVF_ASSIGN_OR_RETURN(const std::vector<PageHandle> pages,
+                       PagesFromProto(req.pages(), req.has_page_list(), req.page_list(), "source"));
+  KVF_ASSIGN_OR_RETURN(const std::vector<PageHandle> to_pages,
+                       PagesFromProto(req.to_pages(), req.has_to_page_list(), req.to_page_list(),
+                                      "destination"));
+  if (to_pages.size() != pages.size()) {
+    return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                 absl::StrCat(pages.size(), " source pages but ", to_pages.size(),
+                              " destination pages; name one destination page per source page"));
+  }
   v1::PeerMessage offer;
   KVF_ASSIGN_OR_RETURN(std::unique_ptr<Reader> reader,
                        Offer(pool, pages, req.layers(), req.transcode_to(), offer.mutable_offer()));
@@ -513,7 +521,7 @@ absl::Status TransferEngine::Push(const TenantAccount& tenant, const v1::PushReq
   bool from_device = false;
   Clock::time_point got_ready = offered, sent_all = offered;
   offer.mutable_offer()->set_pool(req.to_pool());
-  PackPages(req.to_pages(), offer.mutable_offer()->mutable_page_list());
+  PackPages(to_pages, offer.mutable_offer()->mutable_page_list());
   KVF_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, Channel(req.to_address()));
   v1::Peer::Stub stub(channel);
   const double start = Seconds();
@@ -557,14 +565,19 @@ absl::Status TransferEngine::Pull(const TenantAccount& tenant, const v1::PullReq
                                   grpc::ServerContext& context, v1::TransferPagesResponse* out) {
   KVF_RETURN_IF_ERROR(CheckUcx());
   KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Get(tenant, req.pool()));
-  if (req.pages_size() != req.from_pages_size()) {
+  KVF_ASSIGN_OR_RETURN(const std::vector<PageHandle> from_pages,
+                       PagesFromProto(req.from_pages(), req.has_from_page_list(),
+                                      req.from_page_list(), "source"));
+  KVF_ASSIGN_OR_RETURN(const std::vector<PageHandle> pages,
+                       PagesFromProto(req.pages(), req.has_page_list(), req.page_list(),
+                                      "destination"));
+  if (pages.size() != from_pages.size()) {
     return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
-                 absl::StrCat(req.from_pages_size(), " source pages but ", req.pages_size(),
+                 absl::StrCat(from_pages.size(), " source pages but ", pages.size(),
                               " destination pages; name one destination page per source page"));
   }
-  const std::vector<PageHandle> pages = FromProto(req.pages());
   // The destination's handles are checked before the peer is asked for anything.
-  for (const PageHandle& h : pages) KVF_RETURN_IF_ERROR(pool->table().CheckHandle(h));
+  KVF_RETURN_IF_ERROR(pool->table().CheckHandles(pages));
   KVF_ASSIGN_OR_RETURN(std::shared_ptr<grpc::Channel> channel, Channel(req.from_address()));
   v1::Peer::Stub stub(channel);
   const double start = Seconds();
@@ -576,7 +589,7 @@ absl::Status TransferEngine::Pull(const TenantAccount& tenant, const v1::PullReq
     v1::PeerMessage request;
     v1::PeerRequest& r = *request.mutable_request();
     r.set_pool(req.from_pool());
-    PackPages(req.from_pages(), r.mutable_page_list());
+    PackPages(from_pages, r.mutable_page_list());
     *r.mutable_layers() = req.layers();
     r.set_transcode_to(req.transcode_to());
     r.set_num_destination_pages(pages.size());

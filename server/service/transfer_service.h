@@ -44,6 +44,12 @@ struct PeerOptions {
   // Batches of a transfer the sender holds at once: while one is gathered, depth - 1
   // messages are in flight (at least 2).
   int send_depth = 3;
+  // The same for pages UCX moves in device memory (cuda_ipc, GPUDirect RDMA): there each
+  // message costs a rendezvous of a few hundred microseconds whatever its size, so fewer,
+  // larger messages move faster (bench/RESULTS.md). Used for a pool whose memory this
+  // daemon's UCX may hand to some peer directly.
+  int64_t device_message_bytes = int64_t{32} << 20;
+  int device_send_depth = 4;
 };
 
 // One finished transfer, for the metrics.

@@ -76,6 +76,7 @@ class UcxWorker {
   bool DeviceMemoryTo(bool same_host) const {
     return !device_memory_.empty() && (same_host ? cuda_ipc_ : gpudirect_rdma_);
   }
+  bool DeviceMemoryToAnyPeer() const { return DeviceMemoryTo(true) || DeviceMemoryTo(false); }
   // This host, as peers compare it: the kernel's boot id (daemons on one machine, in
   // containers or not, share it).
   const std::string& host() const { return host_; }

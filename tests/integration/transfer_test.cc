@@ -297,6 +297,71 @@ TEST_P(TransferTest, FreshPagesAreReceivedInPlaceAndPagesWithRecordsAreStaged) {
             registered - pool_bytes);
 }
 
+// The page lists may come packed (PageList, as the clients send them): the same pages
+// move; a list given both ways, or packed lists of two lengths, are refused.
+TEST_P(TransferTest, PackedPageListsMoveTheSamePages) {
+  Daemon a(Flags()), b(Flags());
+  const PoolPair pools = CreatePools(a, b, 16, 8, 2, 6);
+  const std::vector<v1::TokenLocation> where = EveryStep(pools.src, 16, 3);
+  ASSERT_TRUE(testing::WriteTokens(a, "src", 1, where, testing::RandomRows(where.size(), 9)).ok());
+  auto pack = [](const std::vector<v1::PageHandle>& pages, size_t drop = 0) {
+    v1::PageList list;
+    for (const auto& p : pages) {
+      list.add_page_ids(p.page_id());
+      list.add_generations(p.generation());
+    }
+    for (size_t i = 0; i < drop; ++i) list.mutable_generations()->RemoveLast();
+    return list;
+  };
+  auto push = [&](const v1::PushRequest& req, std::string* reason) {
+    auto stub = v1::Transfer::NewStub(a.channel());
+    grpc::ClientContext ctx;
+    v1::TransferPagesResponse resp;
+    const grpc::Status s = stub->Push(&ctx, req, &resp);
+    *reason = testing::ReasonOf(ctx);
+    return s;
+  };
+  v1::PushRequest req;
+  req.set_pool("src");
+  *req.mutable_page_list() = pack(pools.src);
+  req.set_to_address(Address(b));
+  req.set_to_pool("dst");
+  std::vector<v1::PageHandle> dst = pools.dst;
+  std::reverse(dst.begin(), dst.end());
+  *req.mutable_to_page_list() = pack(dst);
+  std::string reason;
+  ASSERT_TRUE(push(req, &reason).ok()) << reason;
+  EXPECT_EQ(ReadAll(b, "dst", dst), ReadAll(a, "src", pools.src));
+
+  v1::PullRequest pull;
+  pull.set_from_address(Address(b));
+  pull.set_from_pool("dst");
+  *pull.mutable_from_page_list() = pack(dst);
+  testing::CreatePool(a, "back", Layout::kV41, 16, 8, 2);
+  const std::vector<v1::PageHandle> back = AllPages(a, "back", 6);
+  pull.set_pool("back");
+  *pull.mutable_page_list() = pack(back);
+  {
+    auto stub = v1::Transfer::NewStub(a.channel());
+    grpc::ClientContext ctx;
+    v1::TransferPagesResponse resp;
+    ASSERT_TRUE(stub->Pull(&ctx, pull, &resp).ok());
+  }
+  EXPECT_EQ(ReadAll(a, "back", back), ReadAll(a, "src", pools.src));
+
+  const std::string before = ReadAll(b, "dst", dst);
+  v1::PushRequest both = req;
+  for (const auto& p : dst) *both.add_to_pages() = p;
+  v1::PushRequest uneven = req;
+  *uneven.mutable_page_list() = pack(pools.src, 1);
+  for (const v1::PushRequest& bad : {both, uneven}) {
+    const grpc::Status s = push(bad, &reason);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_EQ(reason, "INVALID_REQUEST");
+  }
+  EXPECT_EQ(ReadAll(b, "dst", dst), before);
+}
+
 TEST_P(TransferTest, RefusedTransfersChangeNothingAtTheDestination) {
   Daemon a(Flags()), b(Flags());
   testing::CreatePool(a, "src", Layout::kV41Fp4, 16, 8);

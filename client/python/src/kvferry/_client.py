@@ -69,6 +69,12 @@ def _handles(pages: Pages) -> list:
             for i, g in zip(pages.ids.tolist(), pages.generations.tolist())]
 
 
+def _packed(pages: Pages):
+    """The pages as a PageList: parsed and checked far faster than handles in a transfer of
+    thousands of pages."""
+    return pb.PageList(page_ids=pages.ids.tolist(), generations=pages.generations.tolist())
+
+
 class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
                    grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
     """Adds `authorization: Bearer <token>` to every call's metadata."""
@@ -298,9 +304,10 @@ class Client:
         when None) into the same layer, optionally transcoded. All or nothing at the
         destination; returns once the pages are committed and readable there."""
         request = transfer_pb.PushRequest(
-            pool=pool, pages=_handles(pages), layers=[_uint(l, "layer") for l in layers or []],
+            pool=pool, page_list=_packed(pages),
+            layers=[_uint(l, "layer") for l in layers or []],
             transcode_to=int(transcode_to), to_address=to_address, to_pool=to_pool,
-            to_pages=_handles(to_pages))
+            to_page_list=_packed(to_pages))
         with translated():
             return self.transfer_stub.Push(request, timeout=self._deadline(timeout))
 
@@ -310,9 +317,9 @@ class Client:
         """Pages `from_pages` of `from_pool` on the daemon at `from_address` -> `pages` of
         `pool` on this daemon; the same rules as push."""
         request = transfer_pb.PullRequest(
-            from_address=from_address, from_pool=from_pool, from_pages=_handles(from_pages),
+            from_address=from_address, from_pool=from_pool, from_page_list=_packed(from_pages),
             layers=[_uint(l, "layer") for l in layers or []],
-            transcode_to=int(transcode_to), pool=pool, pages=_handles(pages))
+            transcode_to=int(transcode_to), pool=pool, page_list=_packed(pages))
         with translated():
             return self.transfer_stub.Pull(request, timeout=self._deadline(timeout))
 
