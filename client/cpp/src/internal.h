@@ -3,6 +3,8 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <span>
+
 #include "absl/status/status.h"
 #include "absl/strings/cord.h"
 #include "kvferry/client/client.h"
@@ -43,6 +45,17 @@ inline Layout FromProto(v1::Layout layout) {
 inline void ToProto(const PageHandle& h, v1::PageHandle* out) {
   out->set_page_id(h.page_id);
   out->set_generation(h.generation);
+}
+
+// Page handles packed (PageList): a transfer names thousands of pages, which parse and are
+// checked far faster so than as PageHandle messages.
+inline void Pack(std::span<const PageHandle> pages, v1::PageList* out) {
+  out->mutable_page_ids()->Reserve(static_cast<int>(pages.size()));
+  out->mutable_generations()->Reserve(static_cast<int>(pages.size()));
+  for (const PageHandle& h : pages) {
+    out->add_page_ids(h.page_id);
+    out->add_generations(h.generation);
+  }
 }
 
 inline PoolInfo FromProto(const v1::Pool& p) {

@@ -307,16 +307,6 @@ void AddLocations(std::span<const TokenLocation> locations,
   }
 }
 
-// Page handles packed: a page-form transfer names thousands of pages.
-void Pack(std::span<const PageHandle> pages, v1::PageList* out) {
-  out->mutable_page_ids()->Reserve(static_cast<int>(pages.size()));
-  out->mutable_generations()->Reserve(static_cast<int>(pages.size()));
-  for (const PageHandle& h : pages) {
-    out->add_page_ids(h.page_id);
-    out->add_generations(h.generation);
-  }
-}
-
 }  // namespace
 
 absl::StatusOr<uint64_t> Session::Save(uint64_t tensor, const std::string& pool, uint32_t layer,

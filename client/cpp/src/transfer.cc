@@ -8,16 +8,6 @@ Client::TransferResult FromProto(const v1::TransferPagesResponse& r) {
   return Client::TransferResult{r.pages(), r.bytes(), r.seconds(), r.transport()};
 }
 
-// Packed (PageList): a transfer of thousands of pages parses far faster than handles.
-void AddPages(std::span<const PageHandle> pages, v1::PageList* out) {
-  out->mutable_page_ids()->Reserve(static_cast<int>(pages.size()));
-  out->mutable_generations()->Reserve(static_cast<int>(pages.size()));
-  for (const PageHandle& h : pages) {
-    out->add_page_ids(h.page_id);
-    out->add_generations(h.generation);
-  }
-}
-
 }  // namespace
 
 absl::StatusOr<Client::TransferResult> Client::Push(const std::string& pool,
@@ -28,12 +18,12 @@ absl::StatusOr<Client::TransferResult> Client::Push(const std::string& pool,
                                                     CallOptions call) {
   v1::PushRequest req;
   req.set_pool(pool);
-  AddPages(pages, req.mutable_page_list());
+  Pack(pages, req.mutable_page_list());
   req.mutable_layers()->Add(layers.begin(), layers.end());
   if (transcode_to) req.set_transcode_to(internal::ToProto(*transcode_to));
   req.set_to_address(to.address);
   req.set_to_pool(to.pool);
-  AddPages(to.pages, req.mutable_to_page_list());
+  Pack(to.pages, req.mutable_to_page_list());
   v1::TransferPagesResponse resp;
   KVF_CLIENT_RETURN(impl_->UnaryOn(*impl_->transfer, &v1::Transfer::Stub::Push, req, &resp, call));
   return FromProto(resp);
@@ -47,11 +37,11 @@ absl::StatusOr<Client::TransferResult> Client::Pull(const PeerPages& from, const
   v1::PullRequest req;
   req.set_from_address(from.address);
   req.set_from_pool(from.pool);
-  AddPages(from.pages, req.mutable_from_page_list());
+  Pack(from.pages, req.mutable_from_page_list());
   req.mutable_layers()->Add(layers.begin(), layers.end());
   if (transcode_to) req.set_transcode_to(internal::ToProto(*transcode_to));
   req.set_pool(pool);
-  AddPages(pages, req.mutable_page_list());
+  Pack(pages, req.mutable_page_list());
   v1::TransferPagesResponse resp;
   KVF_CLIENT_RETURN(impl_->UnaryOn(*impl_->transfer, &v1::Transfer::Stub::Pull, req, &resp, call));
   return FromProto(resp);
