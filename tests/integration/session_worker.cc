@@ -1,6 +1,7 @@
 // A worker process for session tests: opens a session with the daemon at argv[1], allocates
 // argv[2] pages of pool argv[3] in it, optionally (argv[4] == "gpu") registers a device
-// tensor and saves it into those pages, prints "ready" and waits to be killed.
+// tensor and saves it into those pages, prints "ready PID" (its process id, for the test to
+// kill it by) and waits to be killed.
 #include <unistd.h>
 
 #include <iostream>
@@ -63,6 +64,6 @@ int main(int argc, char** argv) {
     if (!mapped.ok()) return 1;
   }
 #endif
-  std::cout << "ready" << std::endl;
+  std::cout << "ready " << getpid() << std::endl;
   while (true) pause();
 }
