@@ -825,6 +825,36 @@ TEST(TransferDevicesTest, PeersOnTheLoopbackDeviceOnlyMoveTheirPages) {
                std::runtime_error);
 }
 
+// The pipeline flags: out-of-range values stop the start-up; a shallow pipeline of
+// one-page-sized messages and a deep one of small messages move the same bytes.
+TEST(TransferFlagsTest, PipelineBoundsAreCheckedAndEveryDepthMovesTheSameBytes) {
+  for (const std::string bad :
+       {"--peer_send_depth=1", "--peer_send_depth=65", "--peer_device_send_depth=1",
+        "--peer_device_message_bytes=0", "--peer_device_message_bytes=67108865",
+        "--peer_message_bytes=0"}) {
+    EXPECT_THROW(Daemon({"--ucx_transports=tcp", bad}), std::runtime_error) << bad;
+  }
+  const uint64_t page_bytes = PageBytes(Layout::kV41, 16);
+  for (const auto& [depth, pages_per_message] : {std::pair{2, 1}, std::pair{16, 3}}) {
+    SCOPED_TRACE(depth);
+    const std::vector<std::string> flags = {
+        "--ucx_transports=tcp", "--peer_send_depth=" + std::to_string(depth),
+        "--peer_message_bytes=" + std::to_string(pages_per_message * page_bytes)};
+    Daemon a(flags), b(flags);
+    const PoolPair pools = CreatePools(a, b, 16, 40, 2, 40);
+    for (int layer = 0; layer < 2; ++layer) {
+      const std::vector<v1::TokenLocation> where = EveryStep(pools.src, 16, 2 + layer);
+      ASSERT_TRUE(testing::WriteTokens(a, "src", layer, where,
+                                       testing::RandomRows(where.size(), 40 + layer)).ok());
+    }
+    std::vector<v1::PageHandle> dst = pools.dst;
+    std::reverse(dst.begin(), dst.end());
+    Outcome pushed = Push(a, "src", pools.src, Address(b), "dst", dst);
+    ASSERT_TRUE(pushed.status.ok()) << pushed.status.error_message();
+    EXPECT_EQ(ReadAll(b, "dst", dst), ReadAll(a, "src", pools.src));
+  }
+}
+
 std::string Slurp(const std::string& path) {
   std::ifstream in(path);
   return std::string(std::istreambuf_iterator<char>(in), {});
