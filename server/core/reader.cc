@@ -71,6 +71,13 @@ void Reader::set_device_output(bool on) {
   if (next_ == 0 && !slots_[0].busy) device_output_ = on && can_output_on_device_;
 }
 
+MemoryBlock Reader::last_block() const {
+  if (next_ == 0) return {};
+  // Batch next_ - 1 stays in its slot until batch next_ - 1 + depth() is launched there.
+  const Slot& slot = slots_[(next_ - 1) % depth()];
+  return slot.out != nullptr ? slot.device.block() : slot.host.block();
+}
+
 void Reader::set_depth(int depth) {
   if (next_ == 0 && !slots_[0].busy && depth >= 2) slots_.resize(static_cast<size_t>(depth));
 }
@@ -94,7 +101,6 @@ absl::StatusOr<std::span<const uint8_t>> Reader::Next() {
     if (absl::Status s = Start(next_ + 1); !s.ok()) return fail(s);
   }
   ++next_;
-  last_block_ = slot.out != nullptr ? slot.device.block() : slot.host.block();
   return std::span<const uint8_t>(slot.out != nullptr ? slot.out : slot.host.get(),
                                   static_cast<size_t>(slot.bytes));
 }

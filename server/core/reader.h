@@ -46,7 +46,7 @@ class Reader {
   void set_device_output(bool on);
   bool device_output() const { return device_output_; }
   // The allocation the batch Next() returned last lies in (a slot, reused by later batches).
-  MemoryBlock last_block() const { return last_block_; }
+  MemoryBlock last_block() const;
 
  protected:
   struct Slot {
@@ -83,7 +83,6 @@ class Reader {
   const int64_t total_bytes_;
   std::vector<Slot> slots_ = std::vector<Slot>(2);
   int64_t next_ = 0;  // batches returned so far
-  MemoryBlock last_block_;
   bool failed_ = false;
 };
 
