@@ -24,9 +24,9 @@
 
 namespace kvferry::server {
 
-// The pages of a list seen so far (ids below the pool's page count: their handles were checked): a bitmap over
-// the pool's pages for long lists (a page-form transfer names thousands), a hash set for
-// short ones.
+// The pages of a list seen so far (ids below the pool's page count: their handles were
+// checked): a bitmap over the pool's pages for long lists (a page-form transfer names
+// thousands), a hash set for short ones.
 class SeenPages {
  public:
   SeenPages(size_t listed, int64_t num_pages)
@@ -45,7 +45,6 @@ class SeenPages {
   std::vector<uint64_t> bits_;
   absl::flat_hash_set<uint64_t> set_;
 };
-
 
 class PageTable {
  public:
