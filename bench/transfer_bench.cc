@@ -171,17 +171,10 @@ int main(int argc, char** argv) {
       v1::PushRequest req;
       req.set_pool("src");
       // Packed page lists, as the clients send them.
-      auto pack = [](const std::vector<v1::PageHandle>& pages, v1::PageList* out) {
-        out->Clear();
-        for (const auto& p : pages) {
-          out->add_page_ids(p.page_id());
-          out->add_generations(p.generation());
-        }
-      };
-      pack(src, req.mutable_page_list());
+      *req.mutable_page_list() = kvferry::testing::PackPages(src);
       req.set_to_address("127.0.0.1:" + std::to_string(b.grpc_port()));
       req.set_to_pool("dst");
-      pack(dst, req.mutable_to_page_list());
+      *req.mutable_to_page_list() = kvferry::testing::PackPages(dst);
       auto stub = v1::Transfer::NewStub(a.channel());
       double best = 1e9;
       std::vector<double> times;  // ms, every rep in order
@@ -197,7 +190,7 @@ int main(int argc, char** argv) {
             }
           }
           dst = Allocate(b, "dst", n);
-          pack(dst, req.mutable_to_page_list());
+          *req.mutable_to_page_list() = kvferry::testing::PackPages(dst);
         }
         grpc::ClientContext ctx;
         v1::TransferPagesResponse resp;

@@ -331,6 +331,18 @@ inline std::vector<v1::PageHandle> Allocate(Daemon& d, const std::string& pool, 
   return {resp.pages().begin(), resp.pages().end()};
 }
 
+// `pages` packed (PageList), as the clients and daemons send them; `drop` generations left
+// off the end (a malformed list).
+inline v1::PageList PackPages(const std::vector<v1::PageHandle>& pages, size_t drop = 0) {
+  v1::PageList list;
+  for (const auto& p : pages) {
+    list.add_page_ids(p.page_id());
+    list.add_generations(p.generation());
+  }
+  for (size_t i = 0; i < drop; ++i) list.mutable_generations()->RemoveLast();
+  return list;
+}
+
 inline grpc::Status FreePages(Daemon& d, const std::string& pool,
                               const std::vector<v1::PageHandle>& pages) {
   grpc::ClientContext ctx;

@@ -89,18 +89,6 @@ Outcome Pull(Daemon& to, const std::string& pool, const std::vector<v1::PageHand
   return out;
 }
 
-// `pages` packed (PageList), as the clients and daemons send them; `drop` generations left
-// off the end (a malformed list).
-v1::PageList Pack(const std::vector<v1::PageHandle>& pages, size_t drop = 0) {
-  v1::PageList list;
-  for (const auto& p : pages) {
-    list.add_page_ids(p.page_id());
-    list.add_generations(p.generation());
-  }
-  for (size_t i = 0; i < drop; ++i) list.mutable_generations()->RemoveLast();
-  return list;
-}
-
 // Every page of a fresh pool, in page-id order.
 std::vector<v1::PageHandle> AllPages(Daemon& d, const std::string& pool, int count) {
   std::map<uint64_t, v1::PageHandle> by_id;
@@ -326,12 +314,12 @@ TEST_P(TransferTest, PackedPageListsMoveTheSamePages) {
   };
   v1::PushRequest req;
   req.set_pool("src");
-  *req.mutable_page_list() = Pack(pools.src);
+  *req.mutable_page_list() = testing::PackPages(pools.src);
   req.set_to_address(Address(b));
   req.set_to_pool("dst");
   std::vector<v1::PageHandle> dst = pools.dst;
   std::reverse(dst.begin(), dst.end());
-  *req.mutable_to_page_list() = Pack(dst);
+  *req.mutable_to_page_list() = testing::PackPages(dst);
   std::string reason;
   ASSERT_TRUE(push(req, &reason).ok()) << reason;
   EXPECT_EQ(ReadAll(b, "dst", dst), ReadAll(a, "src", pools.src));
@@ -339,11 +327,11 @@ TEST_P(TransferTest, PackedPageListsMoveTheSamePages) {
   v1::PullRequest pull;
   pull.set_from_address(Address(b));
   pull.set_from_pool("dst");
-  *pull.mutable_from_page_list() = Pack(dst);
+  *pull.mutable_from_page_list() = testing::PackPages(dst);
   testing::CreatePool(a, "back", Layout::kV41, 16, 8, 2);
   const std::vector<v1::PageHandle> back = AllPages(a, "back", 6);
   pull.set_pool("back");
-  *pull.mutable_page_list() = Pack(back);
+  *pull.mutable_page_list() = testing::PackPages(back);
   {
     auto stub = v1::Transfer::NewStub(a.channel());
     grpc::ClientContext ctx;
@@ -356,7 +344,7 @@ TEST_P(TransferTest, PackedPageListsMoveTheSamePages) {
   v1::PushRequest both = req;
   for (const auto& p : dst) *both.add_to_pages() = p;
   v1::PushRequest uneven = req;
-  *uneven.mutable_page_list() = Pack(pools.src, 1);
+  *uneven.mutable_page_list() = testing::PackPages(pools.src, 1);
   for (const v1::PushRequest& bad : {both, uneven}) {
     const grpc::Status s = push(bad, &reason);
     EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
@@ -561,10 +549,10 @@ TEST(PeerHostileTest, MalformedOrAbandonedOffersAreRefusedAndLeaveNothingBehind)
   // Destination pages given twice (as handles and packed), or packed with a generation
   // missing.
   v1::PeerMessage both = offer(2, page_bytes, page_bytes);
-  *both.mutable_offer()->mutable_page_list() = Pack(dst);
+  *both.mutable_offer()->mutable_page_list() = testing::PackPages(dst);
   v1::PeerMessage short_list = both;
   short_list.mutable_offer()->clear_pages();
-  *short_list.mutable_offer()->mutable_page_list() = Pack(dst, 1);
+  *short_list.mutable_offer()->mutable_page_list() = testing::PackPages(dst, 1);
   for (const v1::PeerMessage& bad : {both, short_list}) {
     EXPECT_EQ(exchange({bad}, &reason).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
     EXPECT_EQ(reason, "INVALID_REQUEST");
