@@ -177,11 +177,18 @@ class Daemon {
       int status;
       if (waitpid(pid_, &status, WNOHANG) == pid_) {
         pid_ = -1;
+        RemoveDir();
         throw std::runtime_error("kvferryd exited during start-up");
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
-    if (grpc_port_ == 0) throw std::runtime_error("kvferryd did not start within 30 s");
+    if (grpc_port_ == 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+      pid_ = -1;
+      RemoveDir();
+      throw std::runtime_error("kvferryd did not start within 30 s");
+    }
     grpc::ChannelArguments channel_args;
     channel_args.SetMaxReceiveMessageSize(64 << 20);
     channel_args.SetMaxSendMessageSize(64 << 20);
@@ -207,7 +214,7 @@ class Daemon {
       kill(pid_, SIGKILL);
       waitpid(pid_, nullptr, 0);
     }
-    std::system(("rm -rf '" + dir_ + "'").c_str());
+    RemoveDir();
   }
 
   // Sends SIGTERM and returns the exit code (-1 if killed by a signal or over 30 s).
@@ -255,6 +262,9 @@ class Daemon {
   }
 
  private:
+  // A constructor that throws has no destructor run: it removes the directory itself.
+  void RemoveDir() const { std::system(("rm -rf '" + dir_ + "'").c_str()); }
+
   std::string dir_;
   pid_t pid_ = -1;
   bool wrapped_ = false;  // started under KVFERRY_DAEMON_WRAPPER
