@@ -593,6 +593,84 @@ TEST(PeerHostileTest, MalformedOrAbandonedOffersAreRefusedAndLeaveNothingBehind)
   EXPECT_TRUE(streams_reach(0));
 }
 
+// A caller of the Peer service that opens with requests (a Pull's opening, which the source
+// answers with an offer) naming their source pages badly: each is refused with its reason
+// before any offer, and a well-formed request after them is offered as usual.
+TEST(PeerHostileTest, MalformedRequestsAreRefusedBeforeAnyOffer) {
+  Daemon d({"--peer_timeout_seconds=1", "--stream_idle_timeout_seconds=2"});
+  testing::CreatePool(d, "src", Layout::kV41, 16, 8);
+  const auto src = AllPages(d, "src", 3);
+  auto stub = v1::Peer::NewStub(d.channel());
+  // The status, its reason, and whether an offer came before it.
+  auto exchange = [&](const v1::PeerMessage& opening, std::string* reason, bool* offered) {
+    grpc::ClientContext ctx;
+    auto stream = stub->Exchange(&ctx);
+    stream->Write(opening);
+    stream->WritesDone();
+    v1::PeerMessage reply;
+    *offered = false;
+    while (stream->Read(&reply)) *offered = *offered || reply.has_offer();
+    const grpc::Status s = stream->Finish();
+    *reason = testing::ReasonOf(ctx);
+    return s;
+  };
+  auto request = [&](std::vector<v1::PageHandle> pages, uint64_t destination_pages) {
+    v1::PeerMessage m;
+    v1::PeerRequest& r = *m.mutable_request();
+    r.set_pool("src");
+    *r.mutable_page_list() = testing::PackPages(pages);
+    r.add_layers(0);
+    r.set_num_destination_pages(destination_pages);
+    return m;
+  };
+  struct Case {
+    const char* what;
+    v1::PeerMessage opening;
+    grpc::StatusCode code;
+    const char* reason;
+  };
+  std::vector<Case> cases;
+  v1::PeerMessage both = request(src, 3);
+  for (const auto& p : src) *both.mutable_request()->add_pages() = p;
+  cases.push_back({"pages as handles and packed", both, grpc::StatusCode::INVALID_ARGUMENT,
+                   "INVALID_REQUEST"});
+  v1::PeerMessage short_list = request(src, 3);
+  *short_list.mutable_request()->mutable_page_list() = testing::PackPages(src, 1);
+  cases.push_back({"a generation missing", short_list, grpc::StatusCode::INVALID_ARGUMENT,
+                   "INVALID_REQUEST"});
+  cases.push_back({"other destination count", request(src, 2), grpc::StatusCode::INVALID_ARGUMENT,
+                   "INVALID_REQUEST"});
+  std::vector<v1::PageHandle> stale = src;
+  stale[1].set_generation(stale[1].generation() + 1);
+  cases.push_back({"a stale page", request(stale, 3), grpc::StatusCode::FAILED_PRECONDITION,
+                   "STALE_PAGE_HANDLE"});
+  v1::PeerMessage elsewhere = request(src, 3);
+  elsewhere.mutable_request()->set_pool("nowhere");
+  cases.push_back({"an unknown pool", elsewhere, grpc::StatusCode::NOT_FOUND, "POOL_NOT_FOUND"});
+  v1::PeerMessage layer = request(src, 3);
+  layer.mutable_request()->set_layers(0, 1);  // the pool has one layer
+  cases.push_back({"a layer out of range", layer, grpc::StatusCode::INVALID_ARGUMENT,
+                   "LAYER_OUT_OF_RANGE"});
+  v1::PeerMessage transcode = request(src, 3);
+  transcode.mutable_request()->set_transcode_to(static_cast<v1::Layout>(77));
+  cases.push_back({"an unknown layout", transcode, grpc::StatusCode::INVALID_ARGUMENT,
+                   "INVALID_LAYOUT"});
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    std::string reason;
+    bool offered = true;
+    EXPECT_EQ(exchange(c.opening, &reason, &offered).error_code(), c.code);
+    EXPECT_EQ(reason, c.reason);
+    EXPECT_FALSE(offered);
+  }
+  // A well-formed request is offered (and then abandoned: no ready comes).
+  std::string reason;
+  bool offered = false;
+  EXPECT_FALSE(exchange(request(src, 3), &reason, &offered).ok());
+  EXPECT_TRUE(offered);
+  EXPECT_TRUE(d.Alive());
+}
+
 // A Pull's sender that gives up once the receiver is ready (as a daemon does whose source
 // pages vanish mid-transfer): the receiving daemon, waiting on UCX for bytes that will not
 // come, reports the sender's own status and reason at once, not its idle timeout.
