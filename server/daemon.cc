@@ -189,6 +189,11 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
       std::make_unique<KvCacheService>(d->pools_.get(), cache, options.service, d->auth_.get());
   if (options.ucx) {
     UcxOptions ucx_options = options.ucx_options;
+    // A receive whose sender gave up mid-message holds its pages until UCX finds the
+    // sender's endpoint gone: checked twice per peer timeout, so that within about the
+    // timeout such pages are released (UCX's own interval is 20 s).
+    ucx_options.keepalive = absl::Seconds(options.peer.timeout_seconds / 2);
+    ucx_options.abandon_grace = absl::Seconds(options.peer.timeout_seconds);
     if (options.ucx_device_memory && d->default_device_ != "cpu") {
       // A UCX that moves CUDA memory gets the default device's pool pages directly.
       std::shared_ptr<Backend> backend = *d->pools_->BackendFor(d->default_device_);

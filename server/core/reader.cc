@@ -36,6 +36,17 @@ void Reader::Stop() {
   failed_ = true;
 }
 
+std::shared_ptr<void> Reader::TakeMemory() {
+  Stop();
+  auto memory = std::make_shared<std::vector<Buffer>>();
+  for (Slot& slot : slots_) {
+    if (slot.host.get() != nullptr) memory->push_back(std::move(slot.host));
+    if (slot.device.get() != nullptr) memory->push_back(std::move(slot.device));
+    slot.out = nullptr;
+  }
+  return memory;
+}
+
 absl::Status Reader::Start(int64_t index) {
   Slot& slot = slots_[index % depth()];
   slot.started = Now();

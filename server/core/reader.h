@@ -38,6 +38,10 @@ class Reader {
   // Finishes the batch in flight and releases its pages; Next() fails from then on. The
   // batches' memory lives until the reader is destroyed.
   void Stop();
+  // Stops the reader and hands over the batches' memory, for what may still read the batches
+  // after the reader is gone (a transport's messages in flight): it lives as long as the
+  // returned owner.
+  std::shared_ptr<void> TakeMemory();
   // Bytes of the whole output.
   int64_t total_bytes() const { return total_bytes_; }
   // Whether the batches are left in the device memory of the pool's backend rather than

@@ -8,10 +8,12 @@
 #include <chrono>
 #include <condition_variable>
 #include <fstream>
+#include <limits>
 #include <mutex>
 #include <sstream>
 #include <thread>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
@@ -73,48 +75,69 @@ absl::Status FromPeer(const grpc::Status& status, const grpc::ClientContext& con
 }
 
 // Cancels a client call unless disarmed within the time given: bounds every blocking read
-// of a peer's stream.
+// of a peer's stream. One thread watches every call of the process (looking every 50 ms
+// while any exists, sleeping otherwise), so that a transfer starts no thread of its own and
+// arming or disarming around each read or write is a store.
 class Deadman {
  public:
-  explicit Deadman(grpc::ClientContext* context) : context_(context), thread_([this] { Run(); }) {}
-  ~Deadman() {
-    {
-      std::lock_guard lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-  }
-  void Arm(absl::Duration d) {
-    std::lock_guard lock(mu_);
-    deadline_ = absl::Now() + d;
-    cv_.notify_all();
-  }
-  void Disarm() { Arm(absl::InfiniteDuration()); }
-  bool fired() {
-    std::lock_guard lock(mu_);
-    return fired_;
-  }
+  explicit Deadman(grpc::ClientContext* context) : context_(context) { Watcher().Add(this); }
+  ~Deadman() { Watcher().Remove(this); }
+  Deadman(const Deadman&) = delete;
+  Deadman& operator=(const Deadman&) = delete;
+  void Arm(absl::Duration d) { deadline_ns_.store(absl::ToUnixNanos(absl::Now() + d)); }
+  void Disarm() { deadline_ns_.store(kNever); }
+  bool fired() const { return fired_.load(); }
 
  private:
-  void Run() {
-    std::unique_lock lock(mu_);
-    while (!stop_) {
-      if (deadline_ != absl::InfiniteFuture() && absl::Now() >= deadline_) {
-        fired_ = true;
-        context_->TryCancel();
-        deadline_ = absl::InfiniteFuture();
-      }
-      cv_.wait_for(lock, std::chrono::milliseconds(50));
+  static constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
+
+  class Watch {
+   public:
+    void Add(Deadman* d) {
+      std::lock_guard lock(mu_);
+      armed_.insert(d);
+      if (!thread_.joinable()) thread_ = std::thread([this] { Run(); });
+      cv_.notify_all();
     }
+    // Once it returns, the thread no longer looks at `d`.
+    void Remove(Deadman* d) {
+      std::lock_guard lock(mu_);
+      armed_.erase(d);
+    }
+
+   private:
+    [[noreturn]] void Run() {
+      std::unique_lock lock(mu_);
+      for (;;) {
+        if (armed_.empty()) {
+          cv_.wait(lock);
+          continue;
+        }
+        const int64_t now = absl::ToUnixNanos(absl::Now());
+        for (Deadman* d : armed_) {
+          if (now >= d->deadline_ns_.load()) {
+            d->deadline_ns_.store(kNever);
+            d->fired_.store(true);
+            d->context_->TryCancel();
+          }
+        }
+        cv_.wait_for(lock, std::chrono::milliseconds(50));
+      }
+    }
+    std::mutex mu_;
+    std::condition_variable cv_;
+    absl::flat_hash_set<Deadman*> armed_;
+    std::thread thread_;
+  };
+  // Never destroyed: calls may end during the process's exit.
+  static Watch& Watcher() {
+    static Watch* const watch = new Watch;
+    return *watch;
   }
+
   grpc::ClientContext* const context_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  absl::Time deadline_ = absl::InfiniteFuture();
-  bool fired_ = false;
-  bool stop_ = false;
-  std::thread thread_;
+  std::atomic<int64_t> deadline_ns_{kNever};
+  std::atomic<bool> fired_{false};
 };
 
 // One call to a peer's Peer.Exchange, its reads bounded by the idle time.
@@ -463,10 +486,11 @@ absl::Status TransferEngine::SendAll(std::unique_ptr<Reader> owned, const v1::Pe
   const uint64_t total = offer.units() * offer.page_bytes();
   uint64_t sent = 0;
   auto fail = [&](absl::Status s) {
-    // The batch in flight on the device ends and its pages are unpinned now; the sender's
-    // end waited until UCX released every batch.
+    // The batch in flight on the device ends and its pages are unpinned now; the batches'
+    // memory stays with the sender until UCX can read it no more (the peer may only be slow
+    // or frozen: its endpoint is closed once it answers, not by force under its feet).
+    sender->Abandon(reader.TakeMemory());
     sender.reset();
-    reader.Stop();
     return s;
   };
   int64_t i = 0;
@@ -676,6 +700,11 @@ absl::Status TransferEngine::Serve(
         return PeerUnavailable("the sending peer left before the transfer started");
       }
       KVF_RETURN_IF_ERROR(receiving->receives->Wait(idle(), cancelled));
+      // A sender that gave up (its caller told the transfer failed) may still have had its
+      // bytes delivered, when this daemon was only slow or frozen: they are not committed.
+      if (context.IsCancelled()) {
+        return PeerUnavailable("the sending peer ended the transfer before every page landed");
+      }
       const Clock::time_point received = Clock::now();
       KVF_ASSIGN_OR_RETURN(const int64_t committed, receiving->Commit());
       log::Debug("push received: {} bytes{}, {:.3f} ms (staging and receives posted {:.3f}, "

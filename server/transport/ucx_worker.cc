@@ -37,12 +37,13 @@ struct Group {
   int64_t inflight = 0;   // requests posted and not complete
   int64_t completed = 0;  // requests completed (progress, for the idle timer)
   absl::Status error;     // the first failure
-  bool abandoned = false; // nobody waits: cancelled receives are not errors any more
+  bool abandoned = false; // nobody waits: cancelled receives are not errors any more; sends:
+                          // their memory goes with the last to end
   bool released = false;  // receives: abandoned, all ended, and keep_alive dropped
   std::vector<void*> requests;            // receives: by message index, null once complete
   std::vector<size_t> expected;           // receives: bytes of each message
   std::vector<std::vector<ucp_dt_iov_t>> iovs;  // receives: where each message lands
-  std::shared_ptr<void> keep_alive;       // receives: the memory, until nothing can write it
+  std::shared_ptr<void> keep_alive;       // the memory, until UCX can touch it no more
   std::vector<char> sent;                 // sends: by message index, complete
   int64_t sent_prefix = 0;                // sends: the first this many are complete
 
@@ -145,13 +146,16 @@ void OnReceive(void* request, ucs_status_t status, const ucp_tag_recv_info_t* in
 void OnSend(void* request, ucs_status_t status, void* user_data) {
   std::unique_ptr<RequestContext> ctx(static_cast<RequestContext*>(user_data));
   Group& g = *ctx->group;
+  std::shared_ptr<void> release;  // an abandoned transfer's memory, dropped outside the lock
   {
     std::lock_guard lock(g.mu);
     if (status != UCS_OK) g.Fail(UcxError("send to the peer", status));
     --g.inflight;
     ++g.completed;
     g.MarkSent(ctx->index);
+    if (g.inflight == 0 && g.abandoned) release = std::move(g.keep_alive);
   }
+  release.reset();
   g.cv.notify_all();
   ucp_request_free(request);
 }
@@ -367,6 +371,16 @@ struct UcxWorker::State {
   };
   std::vector<Closing> closing;
   std::vector<std::shared_ptr<Group>> receives;  // groups with receives posted
+  // Endpoints of abandoned transfers whose sends are still in flight: no new transfer uses
+  // them; each is closed once its sends end (the peer answered or failed), or by force at
+  // the deadline.
+  struct Retiring {
+    std::shared_ptr<Endpoint> endpoint;
+    std::shared_ptr<Group> group;
+    absl::Time deadline;
+  };
+  std::vector<Retiring> retiring;
+  absl::Duration abandon_grace = absl::Seconds(5);
 
   void Post(std::function<void()> task) {
     {
@@ -399,16 +413,52 @@ struct UcxWorker::State {
     });
   }
 
-  // Progress thread: closes the endpoint (every request on it completes, with an error if
-  // unfinished) and forgets it.
-  void Close(const std::shared_ptr<Endpoint>& e) {
+  // Progress thread: an abandoned transfer's endpoint leaves the cache now and closes later
+  // (RetireEnded).
+  void Retire(const std::shared_ptr<Endpoint>& e, std::shared_ptr<Group> group) {
+    if (e->ep == nullptr) return;
+    if (auto it = endpoints.find(e->address); it != endpoints.end() && it->second == e) {
+      endpoints.erase(it);
+    }
+    retiring.push_back({e, std::move(group), absl::Now() + abandon_grace});
+  }
+  // Progress thread: closes the retired endpoints whose sends ended, and by force those past
+  // their deadline. UCX 1.13's tcp transport can crash on bytes a peer sends to an endpoint
+  // closed by force while its transfer was under way (a frozen peer that wakes up), so an
+  // endpoint is forced only when its peer stayed silent for the whole grace time.
+  void RetireEnded() {
+    const absl::Time now = absl::Now();
+    std::vector<Retiring> done;
+    std::erase_if(retiring, [&](const Retiring& r) {
+      bool ended;
+      {
+        std::lock_guard lock(r.group->mu);
+        ended = r.group->inflight == 0;
+      }
+      if (!ended && now < r.deadline && r.endpoint->error.ok()) return false;
+      done.push_back(r);
+      return true;
+    });
+    for (const Retiring& r : done) {
+      bool ended;
+      {
+        std::lock_guard lock(r.group->mu);
+        ended = r.group->inflight == 0;
+      }
+      Close(r.endpoint, /*force=*/!ended || !r.endpoint->error.ok());
+    }
+  }
+
+  // Progress thread: closes the endpoint and forgets it. By force, every request on it
+  // completes at once (with an error if unfinished); otherwise once they end.
+  void Close(const std::shared_ptr<Endpoint>& e, bool force = true) {
     if (e->ep == nullptr) return;
     if (auto it = endpoints.find(e->address); it != endpoints.end() && it->second == e) {
       endpoints.erase(it);
     }
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
     void* request = ucp_ep_close_nbx(e->ep, &param);
     e->ep = nullptr;
     if (UCS_PTR_IS_PTR(request)) closing.push_back({request, e});
@@ -429,6 +479,7 @@ void OnEndpointError(void* arg, ucp_ep_h, ucs_status_t status) {
 absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxOptions& options) {
   std::unique_ptr<UcxWorker> w(new UcxWorker());
   auto state = std::make_shared<State>();
+  if (options.abandon_grace > absl::ZeroDuration()) state->abandon_grace = options.abandon_grace;
   ucp_config_t* config = nullptr;
   if (ucs_status_t s = ucp_config_read(nullptr, nullptr, &config); s != UCS_OK) {
     return UcxError("ucp_config_read", s);
@@ -449,6 +500,15 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxOptions& o
       return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
                    absl::StrCat("UCX network devices '", options.net_devices,
                                 "': ", ucs_status_string(s)));
+    }
+  }
+  if (options.keepalive > absl::ZeroDuration() &&
+      std::getenv("UCX_KEEPALIVE_INTERVAL") == nullptr) {
+    const std::string interval =
+        absl::StrCat(absl::ToInt64Microseconds(options.keepalive), "us");
+    if (ucs_status_t s = ucp_config_modify(config, "KEEPALIVE_INTERVAL", interval.c_str());
+        s != UCS_OK) {
+      log::Warn("ucx: keepalive interval {} not taken: {}", interval, ucs_status_string(s));
     }
   }
   ucp_params_t params{};
@@ -546,11 +606,14 @@ void UcxWorker::Loop() {
     while (ucp_worker_progress(st.worker) != 0) {
     }
     st.Reap();
+    st.RetireEnded();
     if (stop) {
       // Cancel what is still posted, close every endpoint, and progress until UCX is done.
       for (const auto& g : st.receives) CancelReceives(st.worker, *g);
       std::vector<std::shared_ptr<Endpoint>> open;
       for (auto& [address, e] : st.endpoints) open.push_back(e);
+      for (auto& r : st.retiring) open.push_back(r.endpoint);
+      st.retiring.clear();
       for (auto& e : open) st.Close(e);
       const absl::Time give_up = absl::Now() + absl::Seconds(5);
       while ((!st.closing.empty() || !st.receives.empty()) && absl::Now() < give_up) {
@@ -572,7 +635,7 @@ void UcxWorker::Loop() {
     if (ucp_worker_arm(st.worker) == UCS_ERR_BUSY) continue;
     epoll_event events[4];
     // Closing endpoints need a few more rounds of progress; otherwise sleep until woken.
-    epoll_wait(st.epoll_fd, events, 4, st.closing.empty() ? 1000 : 10);
+    epoll_wait(st.epoll_fd, events, 4, st.closing.empty() && st.retiring.empty() ? 1000 : 10);
     uint64_t drained = 0;
     [[maybe_unused]] ssize_t n = read(st.wake_fd, &drained, sizeof(drained));
   }
@@ -726,38 +789,46 @@ class SenderImpl final : public UcxWorker::Sender {
       return absl::OkStatus();
     });
     if (!posted.ok()) {
-      {
-        std::lock_guard lock(group_->mu);
-        group_->Fail(posted);
-      }
-      Abandon();
+      std::lock_guard lock(group_->mu);
+      group_->Fail(posted);
     }
     return posted;
   }
 
   absl::Status WaitThrough(int64_t messages, absl::Duration idle,
                            const UcxWorker::CancelCheck& cancelled) override {
-    absl::Status done = group_->WaitFor(
-        [&] { return group_->sent_prefix >= messages; }, idle, cancelled,
-        "sending pages to the peer");
-    if (!done.ok()) Abandon();
-    return done;
+    return group_->WaitFor([&] { return group_->sent_prefix >= messages; }, idle, cancelled,
+                           "sending pages to the peer");
   }
 
-  ~SenderImpl() override { Abandon(); }
-
-
- private:
-  // Closes the endpoint unless every send completed, and waits until UCX released every
-  // buffer (a forced close completes the requests at once).
-  void Abandon() {
+  void Abandon(std::shared_ptr<void> memory) override {
     bool busy;
     {
       std::lock_guard lock(group_->mu);
       busy = group_->inflight > 0 || !group_->error.ok();
+      if (group_->inflight > 0) {
+        group_->abandoned = true;
+        group_->keep_alive = std::move(memory);
+      }
     }
     if (!busy || closed_) return;
     closed_ = true;
+    state_->Call([&] {
+      state_->Retire(endpoint_, group_);
+      return 0;
+    });
+  }
+
+  // An owner that did not abandon a failed transfer: the endpoint is closed by force and the
+  // sends waited for (a forced close completes them at once), since the memory they read is
+  // about to go.
+  ~SenderImpl() override {
+    bool busy;
+    {
+      std::lock_guard lock(group_->mu);
+      busy = group_->inflight > 0;
+    }
+    if (!busy || closed_) return;
     state_->Call([&] {
       state_->Close(endpoint_);
       return 0;
@@ -766,6 +837,7 @@ class SenderImpl final : public UcxWorker::Sender {
     group_->cv.wait(lock, [&] { return group_->inflight == 0; });
   }
 
+ private:
   std::shared_ptr<UcxWorker::State> state_;
   std::shared_ptr<UcxWorker::Registry> registry_;
   std::shared_ptr<Endpoint> endpoint_;

@@ -51,6 +51,13 @@ struct UcxOptions {
   // progress thread, where every UCX call runs: it makes that GPU's context current there.
   std::string device;
   std::function<void()> bind_device;
+  // UCX_KEEPALIVE_INTERVAL: how often an endpoint checks its peer (UCX's own default, 20 s,
+  // when zero or when the environment sets it). A receive whose sender gave up mid-message
+  // ends only when its endpoint is found dead, and until then holds the pages it lands in.
+  absl::Duration keepalive = absl::ZeroDuration();
+  // How long an abandoned transfer's endpoint waits for its messages in flight to end before
+  // it is closed by force (Sender::Abandon); zero: 5 s.
+  absl::Duration abandon_grace = absl::ZeroDuration();
 };
 
 class UcxWorker {
@@ -111,16 +118,24 @@ class UcxWorker {
    public:
     virtual ~Sender() = default;
     // Posts `data` as the message `tag`: the n-th Post of this sender is message n of
-    // WaitThrough. `data` must stay valid until WaitThrough says its message completed.
-    // A failure (here or in WaitThrough) is UNAVAILABLE (PEER_UNAVAILABLE) when the peer
-    // failed or nothing completed for the idle time: the connection is then closed, so no
-    // later byte reaches the peer, and UCX has released every buffer posted. `on_device`:
-    // `data` is memory of device_memory()'s GPU; `block`: the block `data` lies in.
+    // WaitThrough. `data` must stay valid until WaitThrough says its message completed (or,
+    // after a failure, as Abandon says). A failure (here or in WaitThrough) is UNAVAILABLE
+    // (PEER_UNAVAILABLE) when the peer failed or nothing completed for the idle time; the
+    // owner then abandons the transfer. `on_device`: `data` is memory of device_memory()'s
+    // GPU; `block`: the block `data` lies in.
     virtual absl::Status Post(uint64_t tag, std::span<const uint8_t> data,
                               bool on_device = false, MemoryBlock block = {}) = 0;
     // Blocks until the first `messages` posted are complete (failure rules as Post).
     virtual absl::Status WaitThrough(int64_t messages, absl::Duration idle,
                                      const CancelCheck& cancelled) = 0;
+    // Ends a transfer that failed or was given up, without waiting: its endpoint takes no
+    // more transfers, and `memory` (what the messages still in flight lie in) is kept until
+    // UCX can read it no more. The endpoint closes once those messages end (a peer that was
+    // only slow or frozen gets them when it answers again and finds its transfer ended), or
+    // by force when the peer stays silent for UcxOptions::abandon_grace. An owner that does
+    // not call it before ending the sender has its endpoint closed by force and the messages
+    // waited for.
+    virtual void Abandon(std::shared_ptr<void> memory) = 0;
   };
   // To be told of every block a backend frees (Backend::set_release_listener): the block's
   // registration is released before its memory.

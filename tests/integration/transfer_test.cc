@@ -848,6 +848,66 @@ TEST(TransferDeviceMemoryTest, GpuPoolsLeaveAndLandInDeviceMemoryByteForByte) {
   }
 }
 
+// A destination that stops answering (SIGSTOP: its connections stay open, nothing comes
+// back). Frozen before the push, the call ends when the answer to the offer is overdue;
+// frozen while bytes move, when UCX has made no progress for the peer timeout. Either way:
+// UNAVAILABLE within the bound, the source unharmed; the destination, woken, has committed
+// nothing, gives its staging back and serves again.
+TEST(TransferFrozenPeerTest, ADestinationThatStopsAnsweringFailsTheCallWithinTheBound) {
+  const std::vector<std::string> flags = {"--ucx_transports=tcp", "--peer_timeout_seconds=2"};
+  for (const bool mid_transfer : {false, true}) {
+    SCOPED_TRACE(mid_transfer ? "frozen while bytes move" : "frozen before the push");
+    Daemon a(flags), b(flags);
+    const int kPages = 3000;  // x 3 layers x 64 tokens x 528 B: ~300 MB
+    const PoolPair pools = CreatePools(a, b, 64, kPages, 3, kPages);
+    std::vector<v1::TokenLocation> where;
+    for (int i = 0; i < 64; ++i) where.push_back(Location(pools.src[i], i));
+    ASSERT_TRUE(testing::WriteTokens(a, "src", 0, where, testing::RandomRows(where.size(), 6)).ok());
+    const std::vector<v1::PageHandle> first(pools.src.begin(), pools.src.begin() + 64);
+    const std::string src_before = ReadAll(a, "src", first);
+    if (!mid_transfer) kill(b.pid(), SIGSTOP);
+    auto call = std::async(std::launch::async,
+                           [&] { return Push(a, "src", pools.src, Address(b), "dst", pools.dst); });
+    if (mid_transfer) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(150));
+      kill(b.pid(), SIGSTOP);
+    }
+    const Outcome r = call.get();
+    kill(b.pid(), SIGCONT);
+    if (mid_transfer && r.status.ok()) {
+      GTEST_SKIP() << "the transfer finished before the peer froze (" << r.seconds << " s)";
+    }
+    EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE) << r.status.error_message();
+    EXPECT_EQ(r.reason, "PEER_UNAVAILABLE");
+    EXPECT_LT(r.seconds, 10.0);
+    EXPECT_EQ(ReadAll(a, "src", first), src_before);
+    EXPECT_EQ(StagedBytesSettled(a), 0);
+    // Woken, the destination finds the transfer ended: nothing committed, staging back.
+    EXPECT_EQ(StagedBytesSettled(b), 0);
+    std::string now;
+    const std::vector<v1::PageHandle> dst_first(pools.dst.begin(), pools.dst.begin() + 8);
+    // Its receives that matched end once UCX finds the sender's endpoint gone (keepalive,
+    // twice per peer timeout); then what landed is zeroed and the pages released.
+    const std::string zero(8 * 3 * 64 * 528, '\0');
+    for (auto until = std::chrono::steady_clock::now() + std::chrono::seconds(8);
+         std::chrono::steady_clock::now() < until;
+         std::this_thread::sleep_for(std::chrono::milliseconds(100))) {
+      now = ReadAll(b, "dst", dst_first);
+      if (now == zero) break;
+    }
+    EXPECT_TRUE(now == zero) << std::count(now.begin(), now.end(), '\0') << " of " << zero.size()
+                             << " bytes read zero";
+    // Released: a write of one of them commits without waiting for anything.
+    auto write = std::async(std::launch::async, [&] {
+      return testing::WriteTokens(b, "dst", 0, {Location(pools.dst[0], 1)}, testing::RandomRows(1, 7));
+    });
+    ASSERT_EQ(write.wait_for(std::chrono::seconds(3)), std::future_status::ready);
+    EXPECT_TRUE(write.get().ok());
+    EXPECT_TRUE(a.Alive());
+    EXPECT_TRUE(b.Alive());
+  }
+}
+
 TEST(TransferOffTest, ADaemonWithoutUcxSaysSo) {
   Daemon a({"--ucx=false"}), b;
   testing::CreatePool(a, "src", Layout::kV41, 16, 4);

@@ -21,6 +21,7 @@ class UcxRegistrationTest : public ::testing::Test {
     UcxOptions options;
     options.transports = "tcp";
     options.net_devices = "lo";
+    options.abandon_grace = absl::Milliseconds(500);
     for (auto* w : {&receiver_, &sender_}) {
       absl::StatusOr<std::unique_ptr<UcxWorker>> made = UcxWorker::Create(options);
       ASSERT_TRUE(made.ok()) << made.status();
@@ -135,6 +136,50 @@ TEST_F(UcxRegistrationTest, BlocksOutliveTheWorker) {
   receiver_.reset();
   dst.Reset();
   listener->Released(src.get());
+}
+
+// A transfer abandoned while its message is in flight (the receiver has posted nothing yet,
+// as a frozen peer): ending the sender does not wait, the message's memory lives on, and
+// when the receiver takes the message the bytes arrive whole and the memory is released.
+// Unanswered, the endpoint is closed by force after the grace time and the memory goes then.
+// Either way the next transfer to the peer gets a fresh endpoint and moves its bytes.
+TEST_F(UcxRegistrationTest, AnAbandonedTransfersMemoryLivesUntilItsMessageEnds) {
+  auto released = [](const std::weak_ptr<void>& memory) {
+    for (auto until = absl::Now() + absl::Seconds(5); absl::Now() < until;
+         absl::SleepFor(absl::Milliseconds(10))) {
+      if (memory.expired()) return true;
+    }
+    return false;
+  };
+  for (const bool answered : {true, false}) {
+    SCOPED_TRACE(answered ? "the receiver takes the message later" : "nobody answers");
+    auto src = std::make_shared<Buffer>(Block(*sender_backend_, 8));
+    Buffer dst = Block(*receiver_backend_, 9);
+    std::vector<uint8_t> expected(src->get(), src->get() + kBlockBytes);
+    const uint64_t tag = UcxTag(++transfer_, 0);
+    absl::StatusOr<std::unique_ptr<UcxWorker::Sender>> sender =
+        sender_->Connect(receiver_->address());
+    ASSERT_TRUE(sender.ok()) << sender.status();
+    ASSERT_TRUE((*sender)->Post(tag, {src->get(), kBlockBytes}, false, src->block()).ok());
+    EXPECT_FALSE((*sender)->WaitThrough(1, absl::Milliseconds(100), nullptr).ok());
+    std::weak_ptr<void> memory = src;
+    const absl::Time start = absl::Now();
+    (*sender)->Abandon(std::move(src));
+    sender->reset();
+    EXPECT_LT(absl::Now() - start, absl::Milliseconds(100)) << "ending the sender waited";
+    EXPECT_FALSE(memory.expired());
+    if (answered) {
+      std::vector<std::vector<std::span<uint8_t>>> messages = {{{dst.get(), kBlockBytes}}};
+      absl::StatusOr<std::unique_ptr<UcxWorker::Receives>> receives =
+          receiver_->PostReceives(tag, std::move(messages), nullptr, false, {dst.block()});
+      ASSERT_TRUE(receives.ok()) << receives.status();
+      ASSERT_TRUE((*receives)->Wait(absl::Seconds(10), nullptr).ok());
+      EXPECT_EQ(std::memcmp(dst.get(), expected.data(), kBlockBytes), 0);
+    }
+    EXPECT_TRUE(released(memory));
+    Buffer next = Block(*sender_backend_, 10);
+    Move(next, next.block(), dst, dst.block(), 0, kBlockBytes);
+  }
 }
 
 }  // namespace
