@@ -908,6 +908,51 @@ TEST(TransferFrozenPeerTest, ADestinationThatStopsAnsweringFailsTheCallWithinThe
   }
 }
 
+// The other side of it: the source of a Pull frozen while bytes move. The pulling daemon's
+// call ends UNAVAILABLE within the bound with what landed in place zeroed; the source, woken,
+// finds its transfer ended (its endpoint retired, not closed under the peer's feet), gives
+// its read memory back and serves a pull of the same pages again.
+TEST(TransferFrozenPeerTest, ASourceThatStopsAnsweringFailsThePullWithinTheBound) {
+  const std::vector<std::string> flags = {"--ucx_transports=tcp", "--peer_timeout_seconds=2"};
+  Daemon a(flags), b(flags);
+  const int kPages = 3000;  // x 3 layers x 64 tokens x 528 B: ~300 MB
+  const PoolPair pools = CreatePools(a, b, 64, kPages, 3, kPages);
+  std::vector<v1::TokenLocation> where;
+  for (int i = 0; i < 64; ++i) where.push_back(Location(pools.src[i], i));
+  ASSERT_TRUE(testing::WriteTokens(a, "src", 0, where, testing::RandomRows(where.size(), 8)).ok());
+  auto call = std::async(std::launch::async,
+                         [&] { return Pull(b, "dst", pools.dst, Address(a), "src", pools.src); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+  kill(a.pid(), SIGSTOP);
+  const Outcome r = call.get();
+  kill(a.pid(), SIGCONT);
+  if (r.status.ok()) GTEST_SKIP() << "the pull finished before the source froze";
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE) << r.status.error_message();
+  EXPECT_EQ(r.reason, "PEER_UNAVAILABLE");
+  EXPECT_LT(r.seconds, 10.0);
+  // What landed in place is zeroed once the receives that matched end (the source answers
+  // again, or UCX's keepalive gives it up).
+  const std::vector<v1::PageHandle> dst_first(pools.dst.begin(), pools.dst.begin() + 8);
+  const std::string zero(8 * 3 * 64 * 528, '\0');
+  std::string now;
+  for (auto until = std::chrono::steady_clock::now() + std::chrono::seconds(8);
+       std::chrono::steady_clock::now() < until;
+       std::this_thread::sleep_for(std::chrono::milliseconds(100))) {
+    now = ReadAll(b, "dst", dst_first);
+    if (now == zero) break;
+  }
+  EXPECT_TRUE(now == zero);
+  EXPECT_EQ(StagedBytesSettled(b), 0);
+  // Woken, the source serves the same pages whole.
+  testing::CreatePool(b, "again", Layout::kV41, 64, kPages, 3);
+  const auto again = AllPages(b, "again", kPages);
+  const Outcome second = Pull(b, "again", again, Address(a), "src", pools.src);
+  ASSERT_TRUE(second.status.ok()) << second.status.error_message();
+  EXPECT_TRUE(ReadAll(b, "again", again) == ReadAll(a, "src", pools.src));
+  EXPECT_TRUE(a.Alive());
+  EXPECT_TRUE(b.Alive());
+}
+
 TEST(TransferOffTest, ADaemonWithoutUcxSaysSo) {
   Daemon a({"--ucx=false"}), b;
   testing::CreatePool(a, "src", Layout::kV41, 16, 4);
