@@ -93,6 +93,13 @@ void Reader::set_depth(int depth) {
   if (next_ == 0 && !slots_[0].busy && depth >= 2) slots_.resize(static_cast<size_t>(depth));
 }
 
+absl::Status Reader::Prefetch() {
+  if (failed_ || next_ > 0 || slots_[0].busy || num_batches_ == 0) return absl::OkStatus();
+  absl::Status s = Start(0);
+  if (!s.ok()) failed_ = true;
+  return s;
+}
+
 absl::StatusOr<std::span<const uint8_t>> Reader::Next() {
   if (failed_) {
     return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kInternalError,

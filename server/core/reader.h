@@ -30,6 +30,10 @@ class Reader {
   // depth() - 1 more calls (the next call, at the default depth of 2) or the reader's end.
   // After an error the reader is done.
   absl::StatusOr<std::span<const uint8_t>> Next();
+  // Launches the first batch now, so that it is under way while the caller waits for
+  // something else (the first Next() then only waits for it). Settles depth() and
+  // device_output(). After an error the reader is done.
+  absl::Status Prefetch();
   // Batches in memory at once (each call to Next launches the batch after the one it
   // returns): a caller that keeps sending earlier batches while later ones are gathered
   // asks for more. At least 2; only before the first Next().

@@ -480,9 +480,8 @@ absl::Status TransferEngine::SendAll(std::unique_ptr<Reader> owned, const v1::Pe
   // message i-1 is still on the wire while batch i+1 is gathered, and two messages are in
   // flight (bench/RESULTS.md). --peer_send_depth sets it (--peer_device_send_depth for
   // batches left in device memory).
-  const int kDepth = on_device ? options_.device_send_depth : options_.send_depth;
-  reader.set_depth(kDepth);
-  reader.set_device_output(on_device);
+  PrepareSend(reader, on_device);  // a no-op when the first batch was prefetched so
+  const int kDepth = reader.depth();
   const uint64_t total = offer.units() * offer.page_bytes();
   uint64_t sent = 0;
   auto fail = [&](absl::Status s) {
@@ -520,6 +519,21 @@ absl::Status TransferEngine::SendAll(std::unique_ptr<Reader> owned, const v1::Pe
   return absl::OkStatus();
 }
 
+void TransferEngine::PrepareSend(Reader& reader, bool on_device) const {
+  reader.set_depth(on_device ? options_.device_send_depth : options_.send_depth);
+  reader.set_device_output(on_device);
+}
+
+std::optional<bool> TransferEngine::ExpectDeviceMemory(Pool& pool, const std::string& address) {
+  if (!ucx_->DeviceMemoryToAnyPeer() || pool.backend().device() != ucx_->device_memory()) {
+    return false;
+  }
+  kvferry::MutexLock lock(&mu_);
+  auto it = peer_hosts_.find(address);
+  if (it == peer_hosts_.end()) return std::nullopt;
+  return UcxMovesMemoryOf(pool, it->second);
+}
+
 // ---- the three entry points ----------------------------------------------------------------
 
 absl::Status TransferEngine::Push(const TenantAccount& tenant, const v1::PushRequest& req,
@@ -555,9 +569,30 @@ absl::Status TransferEngine::Push(const TenantAccount& tenant, const v1::PushReq
     KVF_RETURN_IF_ERROR(AddToken(call.context()));
     call.Open(stub);
     KVF_RETURN_IF_ERROR(call.Write(offer));
+    // The first batch is gathered while the peer reserves its pages, into the memory it will
+    // most likely want (its host as it last answered; a host memory pool: host memory).
+    const std::optional<bool> expected = ExpectDeviceMemory(*pool, req.to_address());
+    if (expected.has_value()) {
+      PrepareSend(*reader, *expected);
+      if (absl::Status s = reader->Prefetch(); !s.ok()) {
+        call.Cancel();
+        return s;
+      }
+    }
     KVF_ASSIGN_OR_RETURN(const v1::PeerMessage ready, call.Read(v1::PeerMessage::kReady));
     got_ready = Clock::now();
     from_device = UcxMovesMemoryOf(*pool, ready.ready().host());
+    {
+      kvferry::MutexLock lock(&mu_);
+      peer_hosts_[req.to_address()] = ready.ready().host();
+    }
+    if (expected.has_value() && *expected != from_device) {
+      // The peer moved (another host now): the batch went to the wrong memory; read anew.
+      v1::PeerMessage again;
+      reader->Stop();
+      KVF_ASSIGN_OR_RETURN(reader, Offer(pool, pages, req.layers(), req.transcode_to(),
+                                         again.mutable_offer()));
+    }
     absl::Status sent = SendAll(std::move(reader), offer.offer(), ready.ready(), from_device,
                                 [&] { return context.IsCancelled(); });
     sent_all = Clock::now();
@@ -617,6 +652,7 @@ absl::Status TransferEngine::Pull(const TenantAccount& tenant, const v1::PullReq
     *r.mutable_layers() = req.layers();
     r.set_transcode_to(req.transcode_to());
     r.set_num_destination_pages(pages.size());
+    r.set_host(ucx_->host());
     KVF_RETURN_IF_ERROR(call.Write(request));
     KVF_ASSIGN_OR_RETURN(const v1::PeerMessage offer, call.Read(v1::PeerMessage::kOffer));
     v1::PeerMessage ready;
@@ -742,12 +778,27 @@ absl::Status TransferEngine::Serve(
                            Offer(pool, pages, request.layers(), request.transcode_to(),
                                  offer.mutable_offer()));
       if (!stream->Write(offer)) return PeerUnavailable("the receiving peer left");
+      // The first batch is gathered while the receiver reserves its pages (its host came
+      // with the request; a receiver that did not say gets it after its ready).
+      const bool on_device_expected = UcxMovesMemoryOf(*pool, request.host());
+      const bool known = !request.host().empty() || !on_device_expected;
+      if (known) {
+        PrepareSend(*reader, on_device_expected);
+        KVF_RETURN_IF_ERROR(reader->Prefetch());
+      }
       v1::PeerMessage ready;
       if (!stream->Read(&ready) || !ready.has_ready()) {
         return PeerUnavailable("the receiving peer refused or left before it was ready");
       }
-      KVF_RETURN_IF_ERROR(SendAll(std::move(reader), offer.offer(), ready.ready(),
-                                  UcxMovesMemoryOf(*pool, ready.ready().host()), cancelled));
+      const bool on_device = UcxMovesMemoryOf(*pool, ready.ready().host());
+      if (known && on_device != on_device_expected) {
+        v1::PeerMessage again;
+        reader->Stop();
+        KVF_ASSIGN_OR_RETURN(reader, Offer(pool, pages, request.layers(), request.transcode_to(),
+                                           again.mutable_offer()));
+      }
+      KVF_RETURN_IF_ERROR(SendAll(std::move(reader), offer.offer(), ready.ready(), on_device,
+                                  cancelled));
       bytes = offer.offer().units() * offer.offer().page_bytes();
       v1::PeerMessage done;
       stream->Read(&done);  // the receiver's commit (or its end)

@@ -12,6 +12,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/container/flat_hash_map.h"
@@ -107,6 +108,12 @@ class TransferEngine {
   absl::Status SendAll(std::unique_ptr<Reader> reader, const v1::PeerOffer& offer,
                        const v1::PeerReady& ready, bool on_device,
                        const UcxWorker::CancelCheck& cancelled);
+  // Sender: the reader's depth and output memory for a transfer from `on_device` memory.
+  void PrepareSend(Reader& reader, bool on_device) const;
+  // Sender: whether the peer at `address` gets `pool`'s pages in device memory, as far as
+  // known before its ready: always no for a host memory pool, else as the peer's host was
+  // when it last answered (none: not known yet).
+  std::optional<bool> ExpectDeviceMemory(Pool& pool, const std::string& address);
   absl::Duration idle() const { return absl::Seconds(options_.timeout_seconds); }
   void Record(const char* op, const std::string& peer, bool sent, uint64_t bytes, double seconds,
               const absl::Status& status) const;
@@ -126,6 +133,8 @@ class TransferEngine {
   std::shared_ptr<grpc::ChannelCredentials> credentials_ ABSL_GUARDED_BY(mu_);
   absl::Status credentials_status_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
+  // Each peer's host as its last ready said, by gRPC address (ExpectDeviceMemory).
+  absl::flat_hash_map<std::string, std::string> peer_hosts_ ABSL_GUARDED_BY(mu_);
 };
 
 class TransferService final : public v1::Transfer::Service {
