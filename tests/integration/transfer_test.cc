@@ -149,6 +149,33 @@ std::string ReadAll(Daemon& d, const std::string& pool, const std::vector<v1::Pa
   return bytes;
 }
 
+// Reads `pages` of `pool` until they read zero (what a failed transfer into them leaves once
+// its rollback ran) or `seconds` passed; returns the last read.
+std::string ReadUntilZero(Daemon& d, const std::string& pool,
+                          const std::vector<v1::PageHandle>& pages, int seconds) {
+  std::string now;
+  for (auto until = std::chrono::steady_clock::now() + std::chrono::seconds(seconds);
+       std::chrono::steady_clock::now() < until;
+       std::this_thread::sleep_for(std::chrono::milliseconds(100))) {
+    now = ReadAll(d, pool, pages);
+    if (now == std::string(now.size(), '\0')) break;
+  }
+  return now;
+}
+
+// Whether a write into `page` commits within `seconds`: no transfer holds the page.
+bool WriteCommitsAtOnce(Daemon& d, const std::string& pool, const v1::PageHandle& page,
+                        int seconds, uint64_t seed) {
+  auto write = std::async(std::launch::async, [&] {
+    return testing::WriteTokens(d, pool, 0, {Location(page, 3)}, testing::RandomRows(1, seed));
+  });
+  if (write.wait_for(std::chrono::seconds(seconds)) != std::future_status::ready) {
+    write.wait();  // the future's end would wait anyway; the test has failed already
+    return false;
+  }
+  return write.get().ok();
+}
+
 // ---- per transport -------------------------------------------------------------------------
 
 // The parameter names the UCX transports: "tcp", or "cma" for shared memory — cross-memory
@@ -474,21 +501,9 @@ TEST_P(TransferTest, ADestinationWhoseSenderIsKilledZeroesWhatLandedAndReleasesT
   kill(a.pid(), SIGKILL);
   if (call.get().status.ok()) GTEST_SKIP() << "the transfer finished before the kill";
   const std::vector<v1::PageHandle> first(dst.begin(), dst.begin() + 8);
-  const std::string zero(8 * 3 * 64 * 528, '\0');
-  std::string now;
-  for (auto until = std::chrono::steady_clock::now() + std::chrono::seconds(12);
-       std::chrono::steady_clock::now() < until;
-       std::this_thread::sleep_for(std::chrono::milliseconds(100))) {
-    now = ReadAll(b, "dst", first);
-    if (now == zero) break;
-  }
-  EXPECT_EQ(now, zero);
+  EXPECT_TRUE(ReadUntilZero(b, "dst", first, 12) == std::string(8 * 3 * 64 * 528, '\0'));
   // Not held any more: a write of one of them commits without waiting for anything.
-  auto write = std::async(std::launch::async, [&] {
-    return testing::WriteTokens(b, "dst", 0, {Location(dst[0], 3)}, testing::RandomRows(1, 5));
-  });
-  ASSERT_EQ(write.wait_for(std::chrono::seconds(10)), std::future_status::ready);
-  EXPECT_TRUE(write.get().ok());
+  EXPECT_TRUE(WriteCommitsAtOnce(b, "dst", dst[0], 10, 5));
   EXPECT_TRUE(b.Alive());
 }
 
@@ -848,21 +863,31 @@ TEST(TransferDeviceMemoryTest, GpuPoolsLeaveAndLandInDeviceMemoryByteForByte) {
   }
 }
 
+// The frozen-peer tests: two daemons over tcp with a 2 s peer timeout, a pool of ~300 MB on
+// each (3000 pages x 3 layers x 64 tokens x 528 B), every page allocated, the first 64
+// source pages holding a token each.
+constexpr int kFrozenPeerPages = 3000;
+std::vector<std::string> FrozenPeerFlags() {
+  return {"--ucx_transports=tcp", "--peer_timeout_seconds=2"};
+}
+PoolPair FrozenPeerPools(Daemon& a, Daemon& b, uint64_t seed) {
+  PoolPair pools = CreatePools(a, b, 64, kFrozenPeerPages, 3, kFrozenPeerPages);
+  std::vector<v1::TokenLocation> where;
+  for (int i = 0; i < 64; ++i) where.push_back(Location(pools.src[i], i));
+  EXPECT_TRUE(testing::WriteTokens(a, "src", 0, where, testing::RandomRows(where.size(), seed)).ok());
+  return pools;
+}
+
 // A destination that stops answering (SIGSTOP: its connections stay open, nothing comes
 // back). Frozen before the push, the call ends when the answer to the offer is overdue;
 // frozen while bytes move, when UCX has made no progress for the peer timeout. Either way:
 // UNAVAILABLE within the bound, the source unharmed; the destination, woken, has committed
 // nothing, gives its staging back and serves again.
 TEST(TransferFrozenPeerTest, ADestinationThatStopsAnsweringFailsTheCallWithinTheBound) {
-  const std::vector<std::string> flags = {"--ucx_transports=tcp", "--peer_timeout_seconds=2"};
   for (const bool mid_transfer : {false, true}) {
     SCOPED_TRACE(mid_transfer ? "frozen while bytes move" : "frozen before the push");
-    Daemon a(flags), b(flags);
-    const int kPages = 3000;  // x 3 layers x 64 tokens x 528 B: ~300 MB
-    const PoolPair pools = CreatePools(a, b, 64, kPages, 3, kPages);
-    std::vector<v1::TokenLocation> where;
-    for (int i = 0; i < 64; ++i) where.push_back(Location(pools.src[i], i));
-    ASSERT_TRUE(testing::WriteTokens(a, "src", 0, where, testing::RandomRows(where.size(), 6)).ok());
+    Daemon a(FrozenPeerFlags()), b(FrozenPeerFlags());
+    const PoolPair pools = FrozenPeerPools(a, b, 6);
     const std::vector<v1::PageHandle> first(pools.src.begin(), pools.src.begin() + 64);
     const std::string src_before = ReadAll(a, "src", first);
     if (!mid_transfer) kill(b.pid(), SIGSTOP);
@@ -884,25 +909,12 @@ TEST(TransferFrozenPeerTest, ADestinationThatStopsAnsweringFailsTheCallWithinThe
     EXPECT_EQ(StagedBytesSettled(a), 0);
     // Woken, the destination finds the transfer ended: nothing committed, staging back.
     EXPECT_EQ(StagedBytesSettled(b), 0);
-    std::string now;
+    // Its receives that matched end once the woken peer's sends do, or UCX's keepalive
+    // (twice per peer timeout) gives the sender up; then what landed is zeroed and the pages
+    // released.
     const std::vector<v1::PageHandle> dst_first(pools.dst.begin(), pools.dst.begin() + 8);
-    // Its receives that matched end once UCX finds the sender's endpoint gone (keepalive,
-    // twice per peer timeout); then what landed is zeroed and the pages released.
-    const std::string zero(8 * 3 * 64 * 528, '\0');
-    for (auto until = std::chrono::steady_clock::now() + std::chrono::seconds(8);
-         std::chrono::steady_clock::now() < until;
-         std::this_thread::sleep_for(std::chrono::milliseconds(100))) {
-      now = ReadAll(b, "dst", dst_first);
-      if (now == zero) break;
-    }
-    EXPECT_TRUE(now == zero) << std::count(now.begin(), now.end(), '\0') << " of " << zero.size()
-                             << " bytes read zero";
-    // Released: a write of one of them commits without waiting for anything.
-    auto write = std::async(std::launch::async, [&] {
-      return testing::WriteTokens(b, "dst", 0, {Location(pools.dst[0], 1)}, testing::RandomRows(1, 7));
-    });
-    ASSERT_EQ(write.wait_for(std::chrono::seconds(3)), std::future_status::ready);
-    EXPECT_TRUE(write.get().ok());
+    EXPECT_TRUE(ReadUntilZero(b, "dst", dst_first, 8) == std::string(8 * 3 * 64 * 528, '\0'));
+    EXPECT_TRUE(WriteCommitsAtOnce(b, "dst", pools.dst[0], 3, 7));
     EXPECT_TRUE(a.Alive());
     EXPECT_TRUE(b.Alive());
   }
@@ -913,13 +925,8 @@ TEST(TransferFrozenPeerTest, ADestinationThatStopsAnsweringFailsTheCallWithinThe
 // finds its transfer ended (its endpoint retired, not closed under the peer's feet), gives
 // its read memory back and serves a pull of the same pages again.
 TEST(TransferFrozenPeerTest, ASourceThatStopsAnsweringFailsThePullWithinTheBound) {
-  const std::vector<std::string> flags = {"--ucx_transports=tcp", "--peer_timeout_seconds=2"};
-  Daemon a(flags), b(flags);
-  const int kPages = 3000;  // x 3 layers x 64 tokens x 528 B: ~300 MB
-  const PoolPair pools = CreatePools(a, b, 64, kPages, 3, kPages);
-  std::vector<v1::TokenLocation> where;
-  for (int i = 0; i < 64; ++i) where.push_back(Location(pools.src[i], i));
-  ASSERT_TRUE(testing::WriteTokens(a, "src", 0, where, testing::RandomRows(where.size(), 8)).ok());
+  Daemon a(FrozenPeerFlags()), b(FrozenPeerFlags());
+  const PoolPair pools = FrozenPeerPools(a, b, 8);
   auto call = std::async(std::launch::async,
                          [&] { return Pull(b, "dst", pools.dst, Address(a), "src", pools.src); });
   std::this_thread::sleep_for(std::chrono::milliseconds(150));
@@ -933,19 +940,11 @@ TEST(TransferFrozenPeerTest, ASourceThatStopsAnsweringFailsThePullWithinTheBound
   // What landed in place is zeroed once the receives that matched end (the source answers
   // again, or UCX's keepalive gives it up).
   const std::vector<v1::PageHandle> dst_first(pools.dst.begin(), pools.dst.begin() + 8);
-  const std::string zero(8 * 3 * 64 * 528, '\0');
-  std::string now;
-  for (auto until = std::chrono::steady_clock::now() + std::chrono::seconds(8);
-       std::chrono::steady_clock::now() < until;
-       std::this_thread::sleep_for(std::chrono::milliseconds(100))) {
-    now = ReadAll(b, "dst", dst_first);
-    if (now == zero) break;
-  }
-  EXPECT_TRUE(now == zero);
+  EXPECT_TRUE(ReadUntilZero(b, "dst", dst_first, 8) == std::string(8 * 3 * 64 * 528, '\0'));
   EXPECT_EQ(StagedBytesSettled(b), 0);
   // Woken, the source serves the same pages whole.
-  testing::CreatePool(b, "again", Layout::kV41, 64, kPages, 3);
-  const auto again = AllPages(b, "again", kPages);
+  testing::CreatePool(b, "again", Layout::kV41, 64, kFrozenPeerPages, 3);
+  const auto again = AllPages(b, "again", kFrozenPeerPages);
   const Outcome second = Pull(b, "again", again, Address(a), "src", pools.src);
   ASSERT_TRUE(second.status.ok()) << second.status.error_message();
   EXPECT_TRUE(ReadAll(b, "again", again) == ReadAll(a, "src", pools.src));
