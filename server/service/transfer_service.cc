@@ -754,7 +754,9 @@ absl::Status TransferEngine::Serve(
       bytes = static_cast<uint64_t>(receiving->bytes);
       v1::PeerMessage done;
       done.mutable_done()->set_pages(static_cast<uint64_t>(committed));
-      stream->Write(done);
+      // The last message: it goes out with the call's status, one write instead of two
+      // before the sender can answer its caller.
+      stream->Write(done, grpc::WriteOptions().set_last_message());
       return absl::OkStatus();
     }();
     Record("push", peer, false, bytes, Seconds() - start, status);
