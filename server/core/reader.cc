@@ -78,8 +78,15 @@ absl::Status Reader::Finish(Slot& slot) {
   return s;
 }
 
+void Reader::DropPrefetched() {
+  if (next_ == 0 && slots_[0].busy) Finish(slots_[0]).IgnoreError();
+}
+
 void Reader::set_device_output(bool on) {
-  if (next_ == 0 && !slots_[0].busy) device_output_ = on && can_output_on_device_;
+  const bool device = on && can_output_on_device_;
+  if (next_ != 0 || device == device_output_) return;
+  DropPrefetched();
+  device_output_ = device;
 }
 
 MemoryBlock Reader::last_block() const {
@@ -90,7 +97,9 @@ MemoryBlock Reader::last_block() const {
 }
 
 void Reader::set_depth(int depth) {
-  if (next_ == 0 && !slots_[0].busy && depth >= 2) slots_.resize(static_cast<size_t>(depth));
+  if (next_ != 0 || depth < 2 || depth == this->depth()) return;
+  DropPrefetched();
+  slots_.resize(static_cast<size_t>(depth));
 }
 
 absl::Status Reader::Prefetch() {

@@ -31,8 +31,9 @@ class Reader {
   // After an error the reader is done.
   absl::StatusOr<std::span<const uint8_t>> Next();
   // Launches the first batch now, so that it is under way while the caller waits for
-  // something else (the first Next() then only waits for it). Settles depth() and
-  // device_output(). After an error the reader is done.
+  // something else (the first Next() then only waits for it). A later set_depth or
+  // set_device_output that changes them drops that batch (the first Next() launches it
+  // again). After an error the reader is done.
   absl::Status Prefetch();
   // Batches in memory at once (each call to Next launches the batch after the one it
   // returns): a caller that keeps sending earlier batches while later ones are gathered
@@ -86,6 +87,8 @@ class Reader {
  private:
   absl::Status Start(int64_t index);
   absl::Status Finish(Slot& slot);
+  // Ends a first batch launched before any Next() (Prefetch), so that it launches again.
+  void DropPrefetched();
 
   const int64_t num_batches_;
   const int64_t total_bytes_;

@@ -480,7 +480,7 @@ absl::Status TransferEngine::SendAll(std::unique_ptr<Reader> owned, const v1::Pe
   // message i-1 is still on the wire while batch i+1 is gathered, and two messages are in
   // flight (bench/RESULTS.md). --peer_send_depth sets it (--peer_device_send_depth for
   // batches left in device memory).
-  PrepareSend(reader, on_device);  // a no-op when the first batch was prefetched so
+  PrepareSend(reader, on_device);  // a first batch prefetched for other memory launches again
   const int kDepth = reader.depth();
   const uint64_t total = offer.units() * offer.page_bytes();
   uint64_t sent = 0;
@@ -524,14 +524,10 @@ void TransferEngine::PrepareSend(Reader& reader, bool on_device) const {
   reader.set_device_output(on_device);
 }
 
-std::optional<bool> TransferEngine::ExpectDeviceMemory(Pool& pool, const std::string& address) {
-  if (!ucx_->DeviceMemoryToAnyPeer() || pool.backend().device() != ucx_->device_memory()) {
-    return false;
-  }
+std::string TransferEngine::LastHostOf(const std::string& address) {
   kvferry::MutexLock lock(&mu_);
   auto it = peer_hosts_.find(address);
-  if (it == peer_hosts_.end()) return std::nullopt;
-  return UcxMovesMemoryOf(pool, it->second);
+  return it == peer_hosts_.end() ? std::string() : it->second;
 }
 
 // ---- the three entry points ----------------------------------------------------------------
@@ -570,14 +566,12 @@ absl::Status TransferEngine::Push(const TenantAccount& tenant, const v1::PushReq
     call.Open(stub);
     KVF_RETURN_IF_ERROR(call.Write(offer));
     // The first batch is gathered while the peer reserves its pages, into the memory it will
-    // most likely want (its host as it last answered; a host memory pool: host memory).
-    const std::optional<bool> expected = ExpectDeviceMemory(*pool, req.to_address());
-    if (expected.has_value()) {
-      PrepareSend(*reader, *expected);
-      if (absl::Status s = reader->Prefetch(); !s.ok()) {
-        call.Cancel();
-        return s;
-      }
+    // most likely want: as for its host when it last answered (SendAll launches the batch
+    // again if the ready says otherwise).
+    PrepareSend(*reader, UcxMovesMemoryOf(*pool, LastHostOf(req.to_address())));
+    if (absl::Status s = reader->Prefetch(); !s.ok()) {
+      call.Cancel();
+      return s;
     }
     KVF_ASSIGN_OR_RETURN(const v1::PeerMessage ready, call.Read(v1::PeerMessage::kReady));
     got_ready = Clock::now();
@@ -585,13 +579,6 @@ absl::Status TransferEngine::Push(const TenantAccount& tenant, const v1::PushReq
     {
       kvferry::MutexLock lock(&mu_);
       peer_hosts_[req.to_address()] = ready.ready().host();
-    }
-    if (expected.has_value() && *expected != from_device) {
-      // The peer moved (another host now): the batch went to the wrong memory; read anew.
-      v1::PeerMessage again;
-      reader->Stop();
-      KVF_ASSIGN_OR_RETURN(reader, Offer(pool, pages, req.layers(), req.transcode_to(),
-                                         again.mutable_offer()));
     }
     absl::Status sent = SendAll(std::move(reader), offer.offer(), ready.ready(), from_device,
                                 [&] { return context.IsCancelled(); });
@@ -780,27 +767,17 @@ absl::Status TransferEngine::Serve(
                            Offer(pool, pages, request.layers(), request.transcode_to(),
                                  offer.mutable_offer()));
       if (!stream->Write(offer)) return PeerUnavailable("the receiving peer left");
-      // The first batch is gathered while the receiver reserves its pages (its host came
-      // with the request; a receiver that did not say gets it after its ready).
-      const bool on_device_expected = UcxMovesMemoryOf(*pool, request.host());
-      const bool known = !request.host().empty() || !on_device_expected;
-      if (known) {
-        PrepareSend(*reader, on_device_expected);
-        KVF_RETURN_IF_ERROR(reader->Prefetch());
-      }
+      // The first batch is gathered while the receiver reserves its pages, into the memory
+      // its host (named in the request) gets (SendAll launches it again if the ready says
+      // otherwise).
+      PrepareSend(*reader, UcxMovesMemoryOf(*pool, request.host()));
+      KVF_RETURN_IF_ERROR(reader->Prefetch());
       v1::PeerMessage ready;
       if (!stream->Read(&ready) || !ready.has_ready()) {
         return PeerUnavailable("the receiving peer refused or left before it was ready");
       }
-      const bool on_device = UcxMovesMemoryOf(*pool, ready.ready().host());
-      if (known && on_device != on_device_expected) {
-        v1::PeerMessage again;
-        reader->Stop();
-        KVF_ASSIGN_OR_RETURN(reader, Offer(pool, pages, request.layers(), request.transcode_to(),
-                                           again.mutable_offer()));
-      }
-      KVF_RETURN_IF_ERROR(SendAll(std::move(reader), offer.offer(), ready.ready(), on_device,
-                                  cancelled));
+      KVF_RETURN_IF_ERROR(SendAll(std::move(reader), offer.offer(), ready.ready(),
+                                  UcxMovesMemoryOf(*pool, ready.ready().host()), cancelled));
       bytes = offer.offer().units() * offer.offer().page_bytes();
       v1::PeerMessage done;
       stream->Read(&done);  // the receiver's commit (or its end)

@@ -12,7 +12,6 @@
 
 #include <functional>
 #include <memory>
-#include <optional>
 #include <string>
 
 #include "absl/container/flat_hash_map.h"
@@ -110,10 +109,8 @@ class TransferEngine {
                        const UcxWorker::CancelCheck& cancelled);
   // Sender: the reader's depth and output memory for a transfer from `on_device` memory.
   void PrepareSend(Reader& reader, bool on_device) const;
-  // Sender: whether the peer at `address` gets `pool`'s pages in device memory, as far as
-  // known before its ready: always no for a host memory pool, else as the peer's host was
-  // when it last answered (none: not known yet).
-  std::optional<bool> ExpectDeviceMemory(Pool& pool, const std::string& address);
+  // Sender: the host of the peer at `address` as its last ready said (empty: none yet).
+  std::string LastHostOf(const std::string& address);
   absl::Duration idle() const { return absl::Seconds(options_.timeout_seconds); }
   void Record(const char* op, const std::string& peer, bool sent, uint64_t bytes, double seconds,
               const absl::Status& status) const;
@@ -133,7 +130,7 @@ class TransferEngine {
   std::shared_ptr<grpc::ChannelCredentials> credentials_ ABSL_GUARDED_BY(mu_);
   absl::Status credentials_status_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> channels_ ABSL_GUARDED_BY(mu_);
-  // Each peer's host as its last ready said, by gRPC address (ExpectDeviceMemory).
+  // Each peer's host as its last ready said, by gRPC address (LastHostOf).
   absl::flat_hash_map<std::string, std::string> peer_hosts_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -331,6 +331,15 @@ TEST(CoreGoldenTest, RowsWritePagesReadWorkspaceAndTranscodeMatchTheGoldens) {
       // Batches of 1000 bytes: every page is its own batch, with two in flight.
       EXPECT_EQ(*Drain(ReadPages(pool, handles, {}, std::nullopt, 1000)),
                 testing::ReadBytes(c.file("pool." + l + ".bin")));
+      {
+        // A first batch launched early and then dropped by a change of depth (a sender
+        // whose guess of the peer's memory was wrong): launched again, the same bytes.
+        std::unique_ptr<Reader> reader = *ReadPages(pool, handles, {}, std::nullopt, 1000);
+        ASSERT_TRUE(reader->Prefetch().ok());
+        reader->set_depth(4);
+        EXPECT_EQ(reader->depth(), 4);
+        EXPECT_EQ(*Drain(std::move(reader)), testing::ReadBytes(c.file("pool." + l + ".bin")));
+      }
       EXPECT_EQ(*Drain(ReadPages(pool, handles, {}, Layout::kV4, 3 << 20)),
                 testing::ReadBytes(c.file("transcode." + l + "_to_v4.bin")));
       auto workspace = *Drain(ReadWorkspace(pool, 0, where, 5 * 1024));
