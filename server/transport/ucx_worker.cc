@@ -428,25 +428,17 @@ struct UcxWorker::State {
   // endpoint is forced only when its peer stayed silent for the whole grace time.
   void RetireEnded() {
     const absl::Time now = absl::Now();
-    std::vector<Retiring> done;
     std::erase_if(retiring, [&](const Retiring& r) {
       bool ended;
       {
         std::lock_guard lock(r.group->mu);
         ended = r.group->inflight == 0;
       }
-      if (!ended && now < r.deadline && r.endpoint->error.ok()) return false;
-      done.push_back(r);
+      const bool failed = !r.endpoint->error.ok();
+      if (!ended && !failed && now < r.deadline) return false;
+      Close(r.endpoint, /*force=*/!ended || failed);
       return true;
     });
-    for (const Retiring& r : done) {
-      bool ended;
-      {
-        std::lock_guard lock(r.group->mu);
-        ended = r.group->inflight == 0;
-      }
-      Close(r.endpoint, /*force=*/!ended || !r.endpoint->error.ok());
-    }
   }
 
   // Progress thread: closes the endpoint and forgets it. By force, every request on it
