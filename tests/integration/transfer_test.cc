@@ -514,6 +514,31 @@ INSTANTIATE_TEST_SUITE_P(GpuTransports, TransferTest, ::testing::Values("cuda"),
 
 // ---- without UCX, and through the command line -----------------------------------------------
 
+// One call of a daemon's Peer.Exchange by a caller that is not a daemon: writes `messages`,
+// ends its side and reads every reply.
+struct PeerReplies {
+  grpc::Status status;
+  std::string reason;
+  bool ready = false;  // a PeerReady came
+  bool offer = false;  // a PeerOffer came
+};
+PeerReplies ExchangeWith(Daemon& d, const std::vector<v1::PeerMessage>& messages) {
+  auto stub = v1::Peer::NewStub(d.channel());
+  grpc::ClientContext ctx;
+  auto stream = stub->Exchange(&ctx);
+  for (const auto& m : messages) stream->Write(m);
+  stream->WritesDone();
+  PeerReplies out;
+  v1::PeerMessage reply;
+  while (stream->Read(&reply)) {
+    out.ready = out.ready || reply.has_ready();
+    out.offer = out.offer || reply.has_offer();
+  }
+  out.status = stream->Finish();
+  out.reason = testing::ReasonOf(ctx);
+  return out;
+}
+
 // A caller of the daemons' own Peer service that is not a daemon: malformed offers are
 // refused with a reason, an offer it never sends bytes for ends within the idle time with
 // its staging released, and the daemon serves on with the pages unchanged.
@@ -522,20 +547,10 @@ TEST(PeerHostileTest, MalformedOrAbandonedOffersAreRefusedAndLeaveNothingBehind)
   testing::CreatePool(d, "dst", Layout::kV41, 16, 8);
   const auto dst = AllPages(d, "dst", 2);
   const uint64_t page_bytes = PageBytes(Layout::kV41, 16);
-  auto stub = v1::Peer::NewStub(d.channel());
-  auto exchange = [&](std::vector<v1::PeerMessage> messages, std::string* reason,
-                      bool* got_ready = nullptr) {
-    grpc::ClientContext ctx;
-    auto stream = stub->Exchange(&ctx);
-    for (const auto& m : messages) stream->Write(m);
-    stream->WritesDone();
-    v1::PeerMessage reply;
-    while (stream->Read(&reply)) {
-      if (got_ready != nullptr && reply.has_ready()) *got_ready = true;
-    }
-    const grpc::Status s = stream->Finish();
-    *reason = testing::ReasonOf(ctx);
-    return s;
+  auto exchange = [&](const std::vector<v1::PeerMessage>& messages, std::string* reason) {
+    const PeerReplies r = ExchangeWith(d, messages);
+    *reason = r.reason;
+    return r.status;
   };
   auto offer = [&](uint64_t units, uint64_t page, uint64_t message) {
     v1::PeerMessage m;
@@ -578,12 +593,11 @@ TEST(PeerHostileTest, MalformedOrAbandonedOffersAreRefusedAndLeaveNothingBehind)
   EXPECT_EQ(reason, "LAYOUT_MISMATCH");
   // A well-formed offer whose bytes never come: the daemon posts its receives, says ready,
   // and gives up after its idle time; nothing is committed and the staging comes back.
-  bool ready = false;
   const auto start = std::chrono::steady_clock::now();
-  const grpc::Status abandoned = exchange({offer(2, page_bytes, page_bytes)}, &reason, &ready);
-  EXPECT_TRUE(ready);
-  EXPECT_EQ(abandoned.error_code(), grpc::StatusCode::UNAVAILABLE);
-  EXPECT_EQ(reason, "PEER_UNAVAILABLE");
+  const PeerReplies abandoned = ExchangeWith(d, {offer(2, page_bytes, page_bytes)});
+  EXPECT_TRUE(abandoned.ready);
+  EXPECT_EQ(abandoned.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(abandoned.reason, "PEER_UNAVAILABLE");
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 10);
   EXPECT_EQ(StagedBytesSettled(d), 0);
   EXPECT_EQ(ReadAll(d, "dst", dst), std::string(2 * page_bytes, '\0'));
@@ -597,6 +611,7 @@ TEST(PeerHostileTest, MalformedOrAbandonedOffersAreRefusedAndLeaveNothingBehind)
     }
     return true;
   };
+  auto stub = v1::Peer::NewStub(d.channel());
   grpc::ClientContext mute_ctx;
   const auto opened = std::chrono::steady_clock::now();
   auto mute = stub->Exchange(&mute_ctx);
@@ -615,20 +630,6 @@ TEST(PeerHostileTest, MalformedRequestsAreRefusedBeforeAnyOffer) {
   Daemon d({"--peer_timeout_seconds=1", "--stream_idle_timeout_seconds=2"});
   testing::CreatePool(d, "src", Layout::kV41, 16, 8);
   const auto src = AllPages(d, "src", 3);
-  auto stub = v1::Peer::NewStub(d.channel());
-  // The status, its reason, and whether an offer came before it.
-  auto exchange = [&](const v1::PeerMessage& opening, std::string* reason, bool* offered) {
-    grpc::ClientContext ctx;
-    auto stream = stub->Exchange(&ctx);
-    stream->Write(opening);
-    stream->WritesDone();
-    v1::PeerMessage reply;
-    *offered = false;
-    while (stream->Read(&reply)) *offered = *offered || reply.has_offer();
-    const grpc::Status s = stream->Finish();
-    *reason = testing::ReasonOf(ctx);
-    return s;
-  };
   auto request = [&](std::vector<v1::PageHandle> pages, uint64_t destination_pages) {
     v1::PeerMessage m;
     v1::PeerRequest& r = *m.mutable_request();
@@ -672,17 +673,15 @@ TEST(PeerHostileTest, MalformedRequestsAreRefusedBeforeAnyOffer) {
                    "INVALID_LAYOUT"});
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
-    std::string reason;
-    bool offered = true;
-    EXPECT_EQ(exchange(c.opening, &reason, &offered).error_code(), c.code);
-    EXPECT_EQ(reason, c.reason);
-    EXPECT_FALSE(offered);
+    const PeerReplies r = ExchangeWith(d, {c.opening});
+    EXPECT_EQ(r.status.error_code(), c.code);
+    EXPECT_EQ(r.reason, c.reason);
+    EXPECT_FALSE(r.offer);
   }
   // A well-formed request is offered (and then abandoned: no ready comes).
-  std::string reason;
-  bool offered = false;
-  EXPECT_FALSE(exchange(request(src, 3), &reason, &offered).ok());
-  EXPECT_TRUE(offered);
+  const PeerReplies r = ExchangeWith(d, {request(src, 3)});
+  EXPECT_FALSE(r.status.ok());
+  EXPECT_TRUE(r.offer);
   EXPECT_TRUE(d.Alive());
 }
 
