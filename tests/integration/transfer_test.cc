@@ -681,7 +681,7 @@ TEST(PeerHostileTest, MalformedRequestsAreRefusedBeforeAnyOffer) {
   // A well-formed request is offered (and then abandoned: no ready comes), whatever host it
   // names (only a guess of where the receiver wants the bytes).
   v1::PeerMessage odd_host = request(src, 3);
-  odd_host.mutable_request()->set_host(std::string(4096, '\xff'));
+  odd_host.mutable_request()->set_host(std::string(4096, 'x'));
   const PeerReplies r = ExchangeWith(d, {odd_host});
   EXPECT_FALSE(r.status.ok());
   EXPECT_TRUE(r.offer);
