@@ -27,6 +27,7 @@ PageTable::PageTable(std::string pool_name, int64_t num_pages, int page_size, in
   // Pop order: page 0 first.
   for (int64_t i = 0; i < num_pages_; ++i) free_list_[i] = num_pages_ - 1 - i;
   written_.assign((num_tokens_ * num_layers_ + 63) / 64, 0);
+  layer_writer_.assign((num_pages_ * num_layers_ + 63) / 64, 0);
   held_.assign((num_tokens_ + 63) / 64, 0);
 }
 
@@ -121,7 +122,7 @@ absl::StatusOr<std::vector<int64_t>> PageTable::Free(std::span<const PageHandle>
     ++page.generation;
     page.state = State::kReclaiming;
     ++reclaiming_;
-    if (page.readers == 0 && !page.writer) to_zero.push_back(p);
+    if (Unused(page)) to_zero.push_back(p);
   }
   return to_zero;
 }
@@ -147,8 +148,49 @@ std::vector<int64_t> PageTable::TakeUnzeroed() {
 
 absl::StatusOr<PageTable::Pin> PageTable::PinPages(std::span<const PageHandle> handles,
                                                    bool exclusive, absl::Duration max_wait) {
+  return PinList(handles, exclusive, -1, max_wait);
+}
+
+absl::StatusOr<PageTable::Pin> PageTable::PinLayer(std::span<const PageHandle> handles, int layer,
+                                                   absl::Duration max_wait) {
+  if (layer < 0 || layer >= num_layers_) {
+    return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kLayerOutOfRange,
+                 absl::StrCat("layer ", layer, " is outside [0, ", num_layers_, ") of pool '",
+                              pool_name_, "'"));
+  }
+  return PinList(handles, /*exclusive=*/true, layer, max_wait);
+}
+
+bool PageTable::WriterHolds(int64_t p, int layer) const {
+  const Page& page = pages_[p];
+  if (page.writer) return true;
+  if (layer < 0) return page.layer_writers > 0;
+  const int64_t bit = layer * num_pages_ + p;
+  return (layer_writer_[bit / 64] >> (bit % 64)) & 1;
+}
+
+absl::StatusOr<PageTable::Pin> PageTable::PinList(std::span<const PageHandle> handles,
+                                                  bool exclusive, int layer,
+                                                  absl::Duration max_wait) {
   Pin pin;
   pin.exclusive = exclusive;
+  pin.layer = exclusive ? layer : -1;
+  // The list without repeats, made before the lock is taken (a transfer names thousands of
+  // pages and every other request of the pool waits on this lock). A page outside the pool
+  // is refused under the lock below, in list order with the other checks.
+  const bool in_range = std::all_of(handles.begin(), handles.end(), [&](const PageHandle& h) {
+    return h.page_id < static_cast<uint64_t>(num_pages_);
+  });
+  if (in_range) {
+    pin.pages.reserve(handles.size());
+    pin.generations.reserve(handles.size());
+    SeenPages seen(handles.size(), num_pages_);
+    for (const PageHandle& h : handles) {
+      if (!seen.Insert(h.page_id)) continue;
+      pin.pages.push_back(static_cast<int64_t>(h.page_id));
+      pin.generations.push_back(h.generation);
+    }
+  }
   kvferry::MutexLock lock(&mu_);
   auto check = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) -> absl::Status {
     if (deleted_) {
@@ -159,21 +201,13 @@ absl::StatusOr<PageTable::Pin> PageTable::PinPages(std::span<const PageHandle> h
     return absl::OkStatus();
   };
   KVF_RETURN_IF_ERROR(check());
-  // Repeats pinned once.
-  pin.pages.reserve(handles.size());
-  pin.generations.reserve(handles.size());
-  SeenPages seen(handles.size(), num_pages_);
-  for (const PageHandle& h : handles) {
-    if (!seen.Insert(h.page_id)) continue;
-    pin.pages.push_back(static_cast<int64_t>(h.page_id));
-    pin.generations.push_back(h.generation);
-  }
   if (exclusive) {
-    // Wait until no other write holds any of these pages, then take them all at once (no
-    // partial holds, so two writers cannot deadlock). A free in the meantime fails the pin.
+    // Wait until no other write holds any of these pages (of this layer), then take them
+    // all at once (no partial holds, so two writers cannot deadlock). A free in the
+    // meantime fails the pin.
     auto none_written = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
       for (int64_t p : pin.pages) {
-        if (pages_[p].writer) return false;
+        if (WriterHolds(p, layer)) return false;
       }
       return true;
     };
@@ -189,21 +223,36 @@ absl::StatusOr<PageTable::Pin> PageTable::PinPages(std::span<const PageHandle> h
                                   " (a transfer receiving into them); nothing was written"));
       }
     }
-    for (int64_t p : pin.pages) pages_[p].writer = true;
+    if (layer < 0) {
+      for (int64_t p : pin.pages) pages_[p].writer = true;
+    } else {
+      pin.held.resize(pin.pages.size());
+      for (size_t i = 0; i < pin.pages.size(); ++i) {
+        const int64_t p = pin.pages[i];
+        const int64_t bit = layer * num_pages_ + p;
+        layer_writer_[bit / 64] |= uint64_t{1} << (bit % 64);
+        ++pages_[p].layer_writers;
+        pin.held[i] = HoldsRecords(layer, p);
+      }
+    }
   } else {
     for (int64_t p : pin.pages) ++pages_[p].readers;
   }
   return pin;
 }
 
-bool PageTable::Release(int64_t p, bool exclusive) {
+bool PageTable::Release(int64_t p, const Pin& pin) {
   Page& page = pages_[p];
-  if (exclusive) {
+  if (!pin.exclusive) {
+    --page.readers;
+  } else if (pin.layer < 0) {
     page.writer = false;
   } else {
-    --page.readers;
+    const int64_t bit = pin.layer * num_pages_ + p;
+    layer_writer_[bit / 64] &= ~(uint64_t{1} << (bit % 64));
+    --page.layer_writers;
   }
-  return page.state == State::kReclaiming && page.readers == 0 && !page.writer;
+  return page.state == State::kReclaiming && Unused(page);
 }
 
 std::vector<int64_t> PageTable::Unpin(const Pin& pin, int written_layer,
@@ -223,7 +272,7 @@ std::vector<int64_t> PageTable::Unpin(const Pin& pin, int written_layer,
   }
   std::vector<int64_t> to_zero;
   for (int64_t p : pin.pages) {
-    if (Release(p, pin.exclusive)) to_zero.push_back(p);
+    if (Release(p, pin)) to_zero.push_back(p);
   }
   return to_zero;
 }
@@ -239,16 +288,20 @@ std::vector<int64_t> PageTable::UnpinWrittenPages(const Pin& pin, std::span<cons
     for (size_t i = 0; i < pin.pages.size(); ++i) pinned[pin.pages[i]] = pin.generations[i];
   }
   kvferry::MutexLock lock(&mu_);
+  std::vector<int64_t> to_zero;
   for (size_t i = 0; i < written_pages.size(); ++i) {
     const int64_t p = written_pages[i];
     const uint64_t generation = aligned ? pin.generations[i] : pinned.at(p);
     if (pages_[p].state == State::kAllocated && generation == pages_[p].generation) {
       MarkPageWritten(layers[i], p);
     }
+    // The pin's own pages, in one pass with their marks.
+    if (aligned && Release(p, pin)) to_zero.push_back(p);
   }
-  std::vector<int64_t> to_zero;
-  for (int64_t p : pin.pages) {
-    if (Release(p, pin.exclusive)) to_zero.push_back(p);
+  if (!aligned) {
+    for (int64_t p : pin.pages) {
+      if (Release(p, pin)) to_zero.push_back(p);
+    }
   }
   return to_zero;
 }
@@ -284,22 +337,38 @@ void ForEachWord(int64_t begin, int64_t end, Visit visit) {
 
 }  // namespace
 
+bool PageTable::HoldsRecords(int layer, int64_t page) const {
+  const int64_t begin = Bit(layer, page * page_size_);
+  bool any = false;
+  ForEachWord(begin, begin + page_size_, [&](int64_t w, uint64_t mask)
+                                             ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    any = (written_[w] & mask) != 0;
+    return !any;
+  });
+  return any;
+}
+
 std::vector<uint8_t> PageTable::PagesWithRecords(int layer, std::span<const int64_t> pages) const {
   std::vector<uint8_t> any(pages.size(), 0);
   kvferry::ReaderMutexLock lock(&mu_);
-  for (size_t i = 0; i < pages.size(); ++i) {
-    const int64_t begin = Bit(layer, pages[i] * page_size_);
-    ForEachWord(begin, begin + page_size_, [&](int64_t w, uint64_t mask)
-                                               ABSL_NO_THREAD_SAFETY_ANALYSIS {
-      any[i] = (written_[w] & mask) != 0;
-      return !any[i];
-    });
-  }
+  for (size_t i = 0; i < pages.size(); ++i) any[i] = HoldsRecords(layer, pages[i]);
   return any;
 }
 
 void PageTable::MarkPageWritten(int layer, int64_t page) {
   const int64_t token0 = page * page_size_;
+  if (page_size_ % 64 == 0) {
+    // Whole words (every page, in both maps, starts on a word): no masks.
+    uint64_t* written = &written_[Bit(layer, token0) / 64];
+    uint64_t* held = &held_[token0 / 64];
+    for (int w = 0; w < page_size_ / 64; ++w) {
+      records_held_ += std::popcount(~written[w]);
+      written[w] = ~uint64_t{0};
+      tokens_held_ += std::popcount(~held[w]);
+      held[w] = ~uint64_t{0};
+    }
+    return;
+  }
   const int64_t begin = Bit(layer, token0);
   ForEachWord(begin, begin + page_size_, [&](int64_t w, uint64_t mask)
                                              ABSL_NO_THREAD_SAFETY_ANALYSIS {

@@ -5,7 +5,10 @@
 // refused, and it returns to the free list only after the Pool zeroed it on the device,
 // which waits until no read or write still uses it). Requests pin the pages they touch
 // while their device work runs: readers shared, writers exclusive among writers (two
-// writes of one page never interleave; reads never wait for writes). Thread-safe.
+// writes of one page never interleave; reads never wait for writes). A writer of one layer
+// excludes only writers of that layer and writers of every layer, so a worker's saves of
+// layer after layer into the same pages run one behind the other without waiting for each
+// other's device work. Thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -72,6 +75,10 @@ class PageTable {
     std::vector<int64_t> pages;
     std::vector<uint64_t> generations;
     bool exclusive = false;
+    int layer = -1;  // exclusive: the one layer written, or -1 for every layer
+    // PinLayer: per pinned page, whether the layer held a record in any of its slots when
+    // pinned (1) or none (0), as PagesWithRecords says.
+    std::vector<uint8_t> held;
   };
   // Checks the handles (and that the pool is not deleted) and pins their pages. Repeats
   // are allowed and pinned once. Exclusive pins wait for other writers of the same pages,
@@ -79,6 +86,10 @@ class PageTable {
   // (milliseconds), a transfer received in place for as long as UCX may still write them.
   static constexpr absl::Duration kWriterWait = absl::Seconds(30);
   absl::StatusOr<Pin> PinPages(std::span<const PageHandle> pages, bool exclusive,
+                               absl::Duration max_wait = kWriterWait) ABSL_LOCKS_EXCLUDED(mu_);
+  // An exclusive pin of one layer of the pages (`layer` in [0, layers)): it waits only for
+  // writers of that layer and writers of every layer. Fills the pin's `held`.
+  absl::StatusOr<Pin> PinLayer(std::span<const PageHandle> pages, int layer,
                                absl::Duration max_wait = kWriterWait) ABSL_LOCKS_EXCLUDED(mu_);
   // Releases a pin. With `written_layer` >= 0, first records `written_tokens` of that layer
   // as written — only for pages whose generation is still the pinned one. Returns pages
@@ -122,7 +133,8 @@ class PageTable {
   struct Page {
     uint64_t generation = 0;
     State state = State::kFree;
-    bool writer = false;
+    bool writer = false;         // a writer of every layer holds the page
+    int32_t layer_writers = 0;   // writers of one layer each (bits in layer_writer_)
     int32_t readers = 0;
   };
 
@@ -133,8 +145,16 @@ class PageTable {
   void ForgetRecords(int64_t page) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Sets the held bits of tokens [begin, end), counting the newly held.
   void MarkHeld(int64_t begin, int64_t end) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::StatusOr<Pin> PinList(std::span<const PageHandle> pages, bool exclusive, int layer,
+                              absl::Duration max_wait) ABSL_LOCKS_EXCLUDED(mu_);
+  bool HoldsRecords(int layer, int64_t page) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Whether a writer of `layer` (-1: every layer) would meet another writer on page `p`.
+  bool WriterHolds(int64_t p, int layer) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Drops the pin of one page; true when the page now waits only for zeroing.
-  bool Release(int64_t page, bool exclusive) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool Release(int64_t page, const Pin& pin) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  static bool Unused(const Page& page) {
+    return page.readers == 0 && !page.writer && page.layer_writers == 0;
+  }
   int64_t Bit(int layer, int64_t token) const { return layer * num_tokens_ + token; }
 
   const std::string pool_name_;
@@ -150,6 +170,7 @@ class PageTable {
   int64_t reclaiming_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<int64_t> unzeroed_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> written_ ABSL_GUARDED_BY(mu_);      // bits [layer][token]
+  std::vector<uint64_t> layer_writer_ ABSL_GUARDED_BY(mu_);  // bits [layer][page]: pinned by a writer of that layer
   // bits [token]: some layer holds a record there (the OR of the token's bits in written_)
   std::vector<uint64_t> held_ ABSL_GUARDED_BY(mu_);
   int64_t tokens_held_ ABSL_GUARDED_BY(mu_) = 0;

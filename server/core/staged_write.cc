@@ -370,7 +370,7 @@ absl::StatusOr<int64_t> StagedWrite::CommitRows() {
 
   std::vector<PageHandle> handles;
   for (const auto& [page, generation] : generations_) handles.push_back({page, generation});
-  KVF_ASSIGN_OR_RETURN(const PageTable::Pin pin, pool_->table().PinPages(handles, true));
+  KVF_ASSIGN_OR_RETURN(const PageTable::Pin pin, pool_->table().PinLayer(handles, layer_));
   const absl::Status stored = pool_->RunTimed("quantize_store", ops);
   pool_->Unpin(pin, stored.ok() ? layer_ : -1, stored.ok() ? std::span<const int64_t>(tokens_)
                                                            : std::span<const int64_t>());

@@ -139,6 +139,80 @@ TEST(PageTableTest, AWriterHeldUpPastItsBoundIsRefusedPagesBusyAndHoldsNothing) 
   table.Unpin(*third);
 }
 
+// A worker saves layer after layer into the same pages, each save still on the device when
+// the next arrives: writers of different layers do not wait for each other, while a writer
+// of the same layer, and a writer of every layer (a transfer received), still take turns
+// with them. A freed page is zeroed only once every layer's writer has let go.
+TEST(PageTableTest, WritersOfDifferentLayersOfOnePageDoNotWaitForEachOther) {
+  PageTable table("p", 4, 4, /*num_layers=*/3, 1);
+  auto h = *table.Allocate(2);
+  auto layer0 = table.PinLayer(h, 0, absl::ZeroDuration());
+  ASSERT_TRUE(layer0.ok()) << layer0.status();
+  auto layer2 = table.PinLayer(h, 2, absl::ZeroDuration());
+  ASSERT_TRUE(layer2.ok()) << layer2.status();
+  // Same layer: busy, and the refused writer holds nothing.
+  EXPECT_EQ(ReasonOf(table.PinLayer({&h[1], 1}, 0, absl::ZeroDuration()).status()),
+            ErrorReason::kPagesBusy);
+  // Every layer: busy while any layer's writer holds a page.
+  EXPECT_EQ(ReasonOf(table.PinPages({&h[1], 1}, true, absl::ZeroDuration()).status()),
+            ErrorReason::kPagesBusy);
+  // Out of range: refused, not pinned.
+  EXPECT_EQ(ReasonOf(table.PinLayer(h, 3).status()), ErrorReason::kLayerOutOfRange);
+  EXPECT_EQ(ReasonOf(table.PinLayer(h, -1).status()), ErrorReason::kLayerOutOfRange);
+  // Readers never wait.
+  auto reader = table.PinPages(h, false, absl::ZeroDuration());
+  ASSERT_TRUE(reader.ok());
+  table.Unpin(*reader);
+
+  // Freed while both layers' writers hold the pages: nothing to zero yet.
+  auto to_zero = table.Free(h);
+  ASSERT_TRUE(to_zero.ok());
+  EXPECT_TRUE(to_zero->empty());
+  EXPECT_TRUE(table.Unpin(*layer0).empty());  // layer 2 still holds them
+  std::vector<int64_t> last = table.Unpin(*layer2);
+  std::sort(last.begin(), last.end());
+  EXPECT_EQ(last, (std::vector<int64_t>{0, 1}));
+  table.Reclaimed(last);
+
+  // A writer of every layer holds off a writer of one layer until it lets go.
+  auto g = *table.Allocate(1);
+  auto all = table.PinPages(g, true);
+  ASSERT_TRUE(all.ok());
+  EXPECT_EQ(ReasonOf(table.PinLayer(g, 1, absl::ZeroDuration()).status()), ErrorReason::kPagesBusy);
+  absl::StatusOr<PageTable::Pin> waited;
+  std::thread one([&] { waited = table.PinLayer(g, 1); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  table.Unpin(*all);
+  one.join();
+  ASSERT_TRUE(waited.ok()) << waited.status();
+  EXPECT_EQ(waited->layer, 1);
+  // Its release clears only its own layer: the same layer is free again at once.
+  table.Unpin(*waited);
+  auto again = table.PinLayer(g, 1, absl::ZeroDuration());
+  ASSERT_TRUE(again.ok()) << again.status();
+  table.Unpin(*again);
+  auto whole = table.PinPages(g, true, absl::ZeroDuration());
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  table.Unpin(*whole);
+
+  // A layer's pin says which of its pages that layer holds records in (the oracle: what was
+  // written, and PagesWithRecords).
+  auto two = *table.Allocate(2);
+  auto write = table.PinLayer(two, 1);
+  ASSERT_TRUE(write.ok());
+  EXPECT_EQ(write->held, (std::vector<uint8_t>{0, 0}));
+  const int64_t token = static_cast<int64_t>(two[1].page_id) * 4 + 3;  // page two[1], slot 3
+  table.Unpin(*write, 1, {&token, 1});
+  for (int layer : {1, 2}) {
+    auto again = table.PinLayer(two, layer);
+    ASSERT_TRUE(again.ok());
+    const std::vector<uint8_t> expected = {0, static_cast<uint8_t>(layer == 1)};
+    EXPECT_EQ(again->held, expected) << "layer " << layer;
+    EXPECT_EQ(table.PagesWithRecords(layer, again->pages), expected) << "layer " << layer;
+    table.Unpin(*again);
+  }
+}
+
 TEST(PageTableTest, DeletedPoolRefusesPins) {
   PageTable table("p", 1, 4, 1, 1);
   auto h = *table.Allocate(1);
