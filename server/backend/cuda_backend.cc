@@ -36,10 +36,14 @@ class BlockCache {
   static constexpr size_t kMaxCachedBytes = size_t{1} << 30;
 
   // Rounds a small request up to its bucket and returns a cached block of it, or null.
+  // Buckets: four per doubling (at most a quarter more than asked for), so that a burst of
+  // large requests in flight at once fits the cache.
   void* Take(size_t& bytes) {
     if (bytes > kMaxCachedBlock) return nullptr;
-    size_t rounded = 256;
-    while (rounded < bytes) rounded <<= 1;
+    size_t below = 256;
+    while (below * 2 < bytes) below <<= 1;  // below < bytes <= 2 * below, or bytes <= 256
+    const size_t step = below / 4;
+    const size_t rounded = bytes <= 256 ? 256 : (bytes + step - 1) / step * step;
     bytes = rounded;
     kvferry::MutexLock lock(&mu_);
     auto& blocks = blocks_[rounded];

@@ -62,10 +62,15 @@ absl::Status PagePairs(const TransferRequest& r, const KvTensorSpec& spec, Pool&
                                   " blocks"));
     }
   }
-  KVF_RETURN_IF_ERROR(pool.table().CheckHandles(r.pages));
+  // The handles themselves are checked when their pages are pinned (under the table's lock,
+  // once); here only that each names a page of the pool, for the bitmap below.
+  const uint64_t num_pages = static_cast<uint64_t>(pool.config().num_pages);
+  for (const PageHandle& h : r.pages) {
+    if (h.page_id >= num_pages) return pool.table().CheckHandle(h);
+  }
   // A save writes each page once; a load writes each block once. Both are in range now: a
   // bitmap finds repeats (a page-form transfer names thousands).
-  const uint64_t range = save ? static_cast<uint64_t>(pool.config().num_pages) : spec.num_blocks;
+  const uint64_t range = save ? num_pages : spec.num_blocks;
   std::vector<uint64_t> seen((range + 63) / 64, 0);
   blocks->resize(n);
   page_ids->resize(n);
@@ -139,7 +144,7 @@ struct SessionManager::Session {
 
 SessionManager::SessionManager(PoolManager* pools, TransferObserver* observer)
     : pools_(pools), observer_(observer) {
-  completer_ = std::thread([this] { CompletionLoop(); });
+  for (int i = 0; i < kCompletionThreads; ++i) completers_.emplace_back([this] { CompletionLoop(); });
 }
 
 SessionManager::~SessionManager() {
@@ -147,7 +152,7 @@ SessionManager::~SessionManager() {
     kvferry::MutexLock lock(&jobs_mu_);
     stopping_ = true;
   }
-  completer_.join();
+  for (std::thread& t : completers_) t.join();
 }
 
 void SessionManager::CompletionLoop() {
@@ -475,7 +480,6 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
     if (page_form) {
       // Whole blocks to whole pages: block i's tokens are page i's slots.
       KVF_RETURN_IF_ERROR(PagePairs(r, spec, *pool, save, &page_blocks, &page_ids));
-      handles.assign(r.pages.begin(), r.pages.end());
     } else {
     if (r.blocks.size() != r.locations.size() || r.blocks.empty()) {
       return Invalid(ErrorReason::kInvalidRequest,
@@ -536,7 +540,10 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
     };
     const int64_t lists_bytes = 2 * AlignUp(static_cast<int64_t>(page_ids.size()) * 8 + 8, 256);
     checked_at = std::chrono::steady_clock::now();
-    KVF_ASSIGN_OR_RETURN(pin, pool->table().PinPages(handles, /*exclusive=*/save));
+    // A save holds its pages for its layer only: saves of other layers into them go on.
+    const std::span<const PageHandle> pinned = page_form ? std::span<const PageHandle>(r.pages) : handles;
+    KVF_ASSIGN_OR_RETURN(pin, save ? pool->table().PinLayer(pinned, static_cast<int>(r.layer))
+                                   : pool->table().PinPages(pinned, /*exclusive=*/false));
     pinned_at = std::chrono::steady_clock::now();
     tokens = n;
     bytes_moved = n * (kBf16RowBytes + GetLayoutInfo(g.layout).bytes_per_token());
@@ -544,15 +551,20 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
       // Pages that already hold records of this layer are backed up, so that a row found
       // NaN or Inf by the kernel can be undone; fresh pages are zeroed back instead.
       std::vector<int64_t> backup, fresh;
-      const std::vector<uint8_t> held = pool->table().PagesWithRecords(static_cast<int>(r.layer), pin.pages);
       for (size_t i = 0; i < pin.pages.size(); ++i) {
-        (held[i] ? backup : fresh).push_back(r.layer * g.num_pages + pin.pages[i]);
+        (pin.held[i] ? backup : fresh).push_back(r.layer * g.num_pages + pin.pages[i]);
       }
-      const int64_t at_locs = AlignUp(n * 8, 256), at_flag = at_locs + AlignUp(n * 8, 256);
-      const int64_t at_backup_ids = at_flag + 256, at_fresh_ids = at_backup_ids + AlignUp(backup.size() * 8 + 8, 256);
+      // Scratch: [flag | backup ids | fresh ids | page lists] staged from the host, then the
+      // per-token indices (from the host in the token form, expanded on the device in the
+      // page form: 16 MB for 1M tokens that need no host copy), then the backed-up pages.
+      const int64_t at_flag = 0, at_backup_ids = 256;
+      const int64_t at_fresh_ids = at_backup_ids + AlignUp(backup.size() * 8 + 8, 256);
       const int64_t at_lists = at_fresh_ids + AlignUp(fresh.size() * 8 + 8, 256);
-      const int64_t at_backup = at_lists + lists_bytes;
-      if (absl::Status s = make_scratch(at_backup, at_backup + backup.size() * g.page_bytes()); !s.ok()) {
+      const int64_t at_offsets = at_lists + lists_bytes, at_locs = at_offsets + AlignUp(n * 8, 256);
+      const int64_t at_backup = at_locs + AlignUp(n * 8, 256);
+      if (absl::Status s = make_scratch(page_form ? at_offsets : at_backup,
+                                        at_backup + backup.size() * g.page_bytes());
+          !s.ok()) {
         pool->Unpin(pin);
         return s;
       }
@@ -560,7 +572,7 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
       QuantizeStoreParams q;
       q.geometry = g;
       q.rows = reinterpret_cast<const uint16_t*>(tensor->memory->base());
-      std::tie(q.row_offsets, q.locs) = indices(0, at_locs, at_lists, dev);
+      std::tie(q.row_offsets, q.locs) = indices(at_offsets, at_locs, at_lists, dev);
       q.num_tokens = n;
       q.pool = layer_base;
       q.nonfinite = reinterpret_cast<uint32_t*>(dev + at_flag);
@@ -574,20 +586,27 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
         keep.pages = stage(at_backup_ids, backup.data(), backup.size() * 8);
         ops.push_back(GatherPagesOp{keep});
       }
+      // The fresh pages' ids go to the device only if the store is undone.
       PageCopyParams zero = keep;
       zero.num_listed = static_cast<int64_t>(fresh.size());
-      if (!fresh.empty()) zero.pages = stage(at_fresh_ids, fresh.data(), fresh.size() * 8);
+      zero.pages = reinterpret_cast<const int64_t*>(dev + at_fresh_ids);
       ops.push_back(q);
       ops.push_back(CopyOp{scratch->host.get() + at_flag, dev + at_flag, 4});
-      finish = [pool, pin, scratch, keep, zero, at_flag, layer = r.layer, page_form,
-                locs = std::move(locs), page_ids, &backend](const absl::Status& ran) -> absl::Status {
+      finish = [pool, pin = std::move(pin), scratch, keep, zero, at_flag, at_fresh_ids,
+                fresh = std::move(fresh), layer = r.layer, page_form, locs = std::move(locs),
+                page_ids = std::move(page_ids), &backend](const absl::Status& ran) -> absl::Status {
         uint32_t flag = 0;
         std::memcpy(&flag, scratch->host.get() + at_flag, 4);
         absl::Status result = ran;
         if (ran.ok() && flag != 0) {
           std::vector<Op> undo;
           if (keep.num_listed > 0) undo.push_back(ScatterPagesOp{keep});
-          if (zero.num_listed > 0) undo.push_back(ZeroPagesOp{zero});
+          if (zero.num_listed > 0) {
+            std::memcpy(scratch->host.get() + at_fresh_ids, fresh.data(), fresh.size() * 8);
+            undo.push_back(CopyOp{scratch->device.get() + at_fresh_ids,
+                                  scratch->host.get() + at_fresh_ids, fresh.size() * 8});
+            undo.push_back(ZeroPagesOp{zero});
+          }
           result = backend.Run(undo);
           if (result.ok()) {
             result = Error(absl::StatusCode::kInvalidArgument, ErrorReason::kNonFiniteValue,
@@ -604,20 +623,22 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
         return result;
       };
     } else {
-      const int64_t at_locs = AlignUp(n * 8, 256), at_lists = 2 * at_locs;
-      if (absl::Status s = make_scratch(at_lists + lists_bytes, at_lists + lists_bytes); !s.ok()) {
+      // Scratch: [page lists | per-token indices], as for a save.
+      const int64_t at_lists = 0, at_offsets = lists_bytes, at_locs = at_offsets + AlignUp(n * 8, 256);
+      const int64_t end = at_locs + AlignUp(n * 8, 256);
+      if (absl::Status s = make_scratch(page_form ? at_offsets : end, end); !s.ok()) {
         pool->Unpin(pin);
         return s;
       }
       DequantizeGatherParams d;
       d.geometry = g;
       d.pool = layer_base;
-      std::tie(d.out_offsets, d.locs) = indices(0, at_locs, at_lists, scratch->device.get());
+      std::tie(d.out_offsets, d.locs) = indices(at_offsets, at_locs, at_lists, scratch->device.get());
       d.num_tokens = n;
       d.out = reinterpret_cast<uint16_t*>(tensor->memory->base());
       d.out_offset_align = 8;  // offsets and strides are multiples of 16 bytes
       ops.push_back(d);
-      finish = [pool, pin, scratch](const absl::Status& ran) {
+      finish = [pool, pin = std::move(pin), scratch](const absl::Status& ran) {
         pool->Unpin(pin);
         return ran;
       };
@@ -635,7 +656,8 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
     std::vector<int64_t> flat(n);
     for (int64_t i = 0; i < n; ++i) flat[i] = r.layer * g.num_pages + page_ids[i];
     checked_at = std::chrono::steady_clock::now();
-    KVF_ASSIGN_OR_RETURN(pin, pool->table().PinPages(r.pages, /*exclusive=*/save));
+    KVF_ASSIGN_OR_RETURN(pin, save ? pool->table().PinLayer(r.pages, static_cast<int>(r.layer))
+                                   : pool->table().PinPages(r.pages, /*exclusive=*/false));
     pinned_at = std::chrono::steady_clock::now();
     tokens = n * page_size;
     bytes_moved = 2 * n * g.page_bytes();
@@ -686,7 +708,7 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
       }
     }
     std::vector<int> layers(n, static_cast<int>(r.layer));
-    finish = [pool, pin, scratch, save, layers = std::move(layers),
+    finish = [pool, pin = std::move(pin), scratch, save, layers = std::move(layers),
               page_ids = std::move(page_ids)](const absl::Status& ran) {
       if (save && ran.ok()) {
         pool->UnpinWrittenPages(pin, layers, page_ids);
@@ -708,7 +730,7 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
   }
   auto done = std::make_shared<Completion>(std::move(*submitted));
   const auto submitted_at = std::chrono::steady_clock::now();
-  auto complete = [done, finish, tensor, pool, observer = observer_, op, bytes_moved, start,
+  auto complete = [done, finish = std::move(finish), tensor, pool, observer = observer_, op, bytes_moved, start,
                    checked_at, pinned_at, staged_at, submitted_at, tokens, hold = r.hold]() {
     absl::Status ran = WithReason(done->Wait(), ErrorReason::kDeviceError);
     const auto waited_at = std::chrono::steady_clock::now();

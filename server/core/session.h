@@ -159,7 +159,7 @@ class SessionManager {
   // The session `id` of `caller` (null: any caller, for the daemon's own use).
   absl::StatusOr<std::shared_ptr<Session>> Find(uint64_t id, const TenantAccount* caller) const;
   absl::StatusOr<int64_t> Transfer(const TransferRequest& request, bool save);
-  // Runs `finish` (which waits for the device) on the completion thread, then writes the
+  // Runs `finish` (which waits for the device) on a completion thread, then writes the
   // word.
   void Complete(std::shared_ptr<Session> session, AsyncSlot slot, std::function<absl::Status()> finish);
   void CompletionLoop();
@@ -172,11 +172,14 @@ class SessionManager {
   uint64_t next_tensor_ ABSL_GUARDED_BY(mu_) = 1;
   uint64_t next_export_ ABSL_GUARDED_BY(mu_) = 1;
 
-  // Asynchronous completions, in submission order, on one thread.
+  // Asynchronous completions, taken in submission order by a few threads: each waits for
+  // its operation's device work, releases its pages and writes its word, so that one
+  // operation's release overlaps the next one's wait.
+  static constexpr int kCompletionThreads = 4;
   kvferry::Mutex jobs_mu_;
   std::deque<std::function<void()>> jobs_ ABSL_GUARDED_BY(jobs_mu_);
   bool stopping_ ABSL_GUARDED_BY(jobs_mu_) = false;
-  std::thread completer_;
+  std::vector<std::thread> completers_;
 };
 
 }  // namespace kvferry::server
