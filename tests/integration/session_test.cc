@@ -326,6 +326,48 @@ TEST(SessionArgsTest, EveryBadRequestIsRefusedWithItsReason) {
   EXPECT_TRUE(d.Alive());
 }
 
+// A request enqueued without waiting, which the daemon refuses: its Pending is done and
+// carries the daemon's status and reason, and its completion slot is free again (more
+// refusals than the session has slots each report theirs). Close waits for enqueued calls
+// still on their way; their Pendings outlive the session.
+TEST(SessionArgsTest, AnEnqueuedRequestTheDaemonRefusesCarriesItsReason) {
+  testing::Daemon d;
+  testing::CreatePool(d, "s", Layout::kV41, 16, 8);
+  auto session = Session::Open(Options(d), "enqueue", 0, /*slots=*/2);
+  ASSERT_TRUE(session.ok()) << session.status();
+  Session& s = **session;
+  auto pages = s.AllocatePages("s", 2);
+  ASSERT_TRUE(pages.ok()) << pages.status();
+  const std::vector<uint64_t> blocks = {0, 1};
+  for (int i = 0; i < 5; ++i) {
+    auto p = i % 2 == 0 ? s.EnqueueSaveBlocks(12345, "s", 0, blocks, *pages)
+                        : s.EnqueueLoadBlocks(12345, "s", 0, *pages, blocks);
+    ASSERT_TRUE(p.ok()) << "request " << i << ": " << p.status();
+    const absl::Status w = p->Wait(absl::Seconds(30));
+    EXPECT_TRUE(p->Done());
+    EXPECT_EQ(w.code(), absl::StatusCode::kNotFound) << w;
+    EXPECT_EQ(client::ErrorReason(w), "TENSOR_NOT_FOUND") << w;
+  }
+  // A pool that does not exist: refused the same way, with its own reason.
+  auto missing = s.EnqueueSaveBlocks(12345, "nope", 0, blocks, *pages);
+  ASSERT_TRUE(missing.ok());
+  const absl::Status w = missing->Wait(absl::Seconds(30));
+  EXPECT_FALSE(w.ok());
+  EXPECT_FALSE(client::ErrorReason(w).empty()) << w;
+  std::vector<Session::Pending> last;
+  for (int i = 0; i < 2; ++i) {
+    auto p = s.EnqueueSaveBlocks(12345, "s", 0, blocks, *pages);
+    ASSERT_TRUE(p.ok()) << p.status();
+    last.push_back(*p);
+  }
+  EXPECT_TRUE(s.Close().ok());
+  for (const Session::Pending& p : last) {
+    EXPECT_TRUE(p.Done());
+    EXPECT_EQ(client::ErrorReason(p.Wait(absl::Seconds(1))), "TENSOR_NOT_FOUND");
+  }
+  EXPECT_TRUE(d.Alive());
+}
+
 TEST(SessionPagesTest, PagesOfASessionAreFreedWhenItClosesOrItsWorkerIsKilled) {
   testing::Daemon d;
   testing::CreatePool(d, "p", Layout::kV4, 16, 64);

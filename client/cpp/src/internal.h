@@ -115,11 +115,14 @@ inline void Prepare(grpc::ClientContext& ctx, const ClientOptions& options,
   }
 }
 
-// A channel for `options` (message limits sized to its messages).
-inline std::shared_ptr<grpc::Channel> MakeChannel(const ClientOptions& options) {
+// A channel for `options` (message limits sized to its messages). `own_connection`: the
+// channel does not share its connection with other channels to the same target.
+inline std::shared_ptr<grpc::Channel> MakeChannel(const ClientOptions& options,
+                                                  bool own_connection = false) {
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(static_cast<int>(options.message_bytes + (1 << 20)));
   args.SetMaxSendMessageSize(static_cast<int>(options.message_bytes + (1 << 20)));
+  if (own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   return grpc::CreateCustomChannel(
       options.target,
       options.credentials ? options.credentials : grpc::InsecureChannelCredentials(), args);

@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cstring>
+#include <functional>
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
@@ -45,6 +46,7 @@ uint64_t Session::Pending::Word() const {
 }
 
 bool Session::Pending::Done() const {
+  if (outcome_->refused.load(std::memory_order_acquire)) return true;
   const uint64_t w = Word();
   return (w >> 8) == sequence_ && ((w & 0xFF) == kDone || (w & 0xFF) == kFailed);
 }
@@ -55,6 +57,7 @@ absl::Status Session::Pending::Wait(absl::Duration timeout) const {
     if (absl::Now() > deadline) return absl::DeadlineExceededError("the operation did not complete");
     if (spins > 1000) std::this_thread::yield();
   }
+  if (outcome_->refused.load(std::memory_order_acquire)) return outcome_->refusal;
   if ((Word() & 0xFF) == kFailed) {
     return absl::InternalError("the daemon reported the operation failed; nothing was stored");
   }
@@ -65,6 +68,9 @@ struct Session::Impl {
   ClientOptions options;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::KvSession::Stub> sessions;
+  // Unary calls, round robin (ClientOptions::session_connections); the first is `sessions`'s.
+  std::vector<std::unique_ptr<v1::KvSession::Stub>> callers;
+  std::atomic<uint32_t> next_caller{0};
   std::unique_ptr<v1::KvFerry::Stub> pools;
   grpc::ClientContext stream_ctx;
   std::unique_ptr<grpc::ClientReaderWriter<v1::SessionRequest, v1::SessionEvent>> stream;
@@ -90,8 +96,16 @@ struct Session::Impl {
                      const Request& request, Response* response) {
     grpc::ClientContext ctx;
     Prepare(ctx, options, options.timeout);
-    return FromGrpc((sessions.get()->*method)(&ctx, request, response), ctx);
+    return FromGrpc((NextCaller()->*method)(&ctx, request, response), ctx);
   }
+
+  // Enqueued calls not answered yet (Close waits for them); shared with their callbacks,
+  // which may end after the session.
+  struct Flight {
+    absl::Mutex mu;
+    int calls ABSL_GUARDED_BY(mu) = 0;
+  };
+  std::shared_ptr<Flight> flight = std::make_shared<Flight>();
 
   struct Slot {
     uint32_t index;
@@ -109,15 +123,67 @@ struct Session::Impl {
     request.mutable_completion()->set_sequence(slot->sequence);
     v1::TransferResponse resp;
     if (absl::Status s = Unary(method, request, &resp); !s.ok()) {
-      ReleaseSlot(slot->index);
+      Unanswered(slot->index, s);
       return s;
     }
     return Pending(area, area->words + slot->index, slot->sequence, slot->outcome);
   }
-  // A slot whose request was refused: nothing will write its word.
-  void ReleaseSlot(uint32_t index) {
+  // The same without waiting for the daemon: the request goes out on gRPC's threads; a
+  // refusal becomes the Pending's outcome.
+  template <typename Request>
+  absl::StatusOr<Pending> Enqueue(
+      void (v1::KvSession::Stub::async_interface::*method)(grpc::ClientContext*, const Request*,
+                                                          v1::TransferResponse*,
+                                                          std::function<void(grpc::Status)>),
+      Request request) {
+    absl::StatusOr<Slot> slot = TakeSlot();
+    if (!slot.ok()) return slot.status();
+    request.mutable_completion()->set_slot(slot->index);
+    request.mutable_completion()->set_sequence(slot->sequence);
+    struct Call {
+      grpc::ClientContext ctx;
+      Request request;
+      v1::TransferResponse response;
+    };
+    auto call = std::make_shared<Call>();
+    call->request = std::move(request);
+    Prepare(call->ctx, options, options.timeout);
+    {
+      absl::MutexLock lock(&flight->mu);
+      ++flight->calls;
+    }
+    v1::KvSession::Stub* stub = NextCaller();
+    (stub->async()->*method)(
+        &call->ctx, &call->request, &call->response,
+        [this, call, slot = *slot, flight = flight](grpc::Status st) {
+          if (!st.ok()) {
+            const absl::Status s = FromGrpc(st, call->ctx);
+            Unanswered(slot.index, s);
+            slot.outcome->refusal = s;
+            slot.outcome->refused.store(true, std::memory_order_release);
+          }
+          // The session (this) may be gone once the count drops.
+          absl::MutexLock lock(&flight->mu);
+          --flight->calls;
+        });
+    return Pending(area, area->words + slot->index, slot->sequence, slot->outcome);
+  }
+  // A request that failed: when it was refused (the daemon's reason says so, or the call
+  // never got that far) nothing will write its word and the slot is free again; when the
+  // answer was lost (deadline, connection) the daemon may still run it, so the slot stays
+  // taken until a word of its sequence shows it done.
+  void Unanswered(uint32_t index, const absl::Status& s) {
+    const absl::StatusCode c = s.code();
+    if (ErrorReason(s).empty() &&
+        (c == absl::StatusCode::kDeadlineExceeded || c == absl::StatusCode::kUnavailable ||
+         c == absl::StatusCode::kCancelled || c == absl::StatusCode::kUnknown)) {
+      return;
+    }
     absl::MutexLock lock(&mu);
     busy[index] = false;
+  }
+  v1::KvSession::Stub* NextCaller() {
+    return callers[next_caller.fetch_add(1, std::memory_order_relaxed) % callers.size()].get();
   }
   // A free completion slot (round robin) and its next sequence.
   absl::StatusOr<Slot> TakeSlot() {
@@ -157,6 +223,10 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Open(const ClientOptions& opti
   impl->options = options;
   impl->channel = MakeChannel(options);
   impl->sessions = v1::KvSession::NewStub(impl->channel);
+  impl->callers.push_back(v1::KvSession::NewStub(impl->channel));
+  for (int i = 1; i < options.session_connections; ++i) {
+    impl->callers.push_back(v1::KvSession::NewStub(MakeChannel(options, /*own_connection=*/true)));
+  }
   impl->pools = v1::KvFerry::NewStub(impl->channel);
   if (!options.bearer_token.empty()) {
     impl->stream_ctx.AddMetadata("authorization", "Bearer " + options.bearer_token);
@@ -217,6 +287,12 @@ absl::StatusOr<std::unique_ptr<Session>> Session::Open(const ClientOptions& opti
 absl::Status Session::Close() {
   if (impl_ == nullptr || impl_->closed) return absl::OkStatus();
   impl_->closed = true;
+  {
+    // Enqueued calls end first (each within its deadline): their callbacks use the session.
+    Impl::Flight& f = *impl_->flight;
+    absl::MutexLock lock(&f.mu);
+    f.mu.Await(absl::Condition(+[](int* calls) { return *calls == 0; }, &f.calls));
+  }
   v1::SessionRequest close;
   close.mutable_close();
   impl_->stream->Write(close);
@@ -333,28 +409,80 @@ absl::StatusOr<uint64_t> Session::Load(uint64_t tensor, const std::string& pool,
   return resp.tokens();
 }
 
+namespace {
+
+v1::SaveRequest BlocksSave(uint64_t session, uint64_t tensor, const std::string& pool,
+                           uint32_t layer, std::span<const uint64_t> from,
+                           std::span<const PageHandle> to) {
+  v1::SaveRequest req;
+  Target(req, session, tensor, pool, layer);
+  req.mutable_source_blocks()->Add(from.begin(), from.end());
+  Pack(to, req.mutable_destination_page_list());
+  return req;
+}
+
+v1::LoadRequest BlocksLoad(uint64_t session, uint64_t tensor, const std::string& pool,
+                           uint32_t layer, std::span<const PageHandle> from,
+                           std::span<const uint64_t> to) {
+  v1::LoadRequest req;
+  Target(req, session, tensor, pool, layer);
+  Pack(from, req.mutable_source_page_list());
+  req.mutable_destination_blocks()->Add(to.begin(), to.end());
+  return req;
+}
+
+}  // namespace
+
 absl::StatusOr<uint64_t> Session::SaveBlocks(uint64_t tensor, const std::string& pool,
                                              uint32_t layer, std::span<const uint64_t> from,
                                              std::span<const PageHandle> to) {
-  v1::SaveRequest req;
-  Target(req, impl_->id, tensor, pool, layer);
-  for (uint64_t b : from) req.add_source_blocks(b);
-  Pack(to, req.mutable_destination_page_list());
   v1::TransferResponse resp;
-  KVF_CLIENT_RETURN(impl_->Unary(&v1::KvSession::Stub::Save, req, &resp));
+  KVF_CLIENT_RETURN(impl_->Unary(&v1::KvSession::Stub::Save,
+                                 BlocksSave(impl_->id, tensor, pool, layer, from, to), &resp));
   return resp.tokens();
 }
 
 absl::StatusOr<uint64_t> Session::LoadBlocks(uint64_t tensor, const std::string& pool,
                                              uint32_t layer, std::span<const PageHandle> from,
                                              std::span<const uint64_t> to) {
-  v1::LoadRequest req;
-  Target(req, impl_->id, tensor, pool, layer);
-  Pack(from, req.mutable_source_page_list());
-  for (uint64_t b : to) req.add_destination_blocks(b);
   v1::TransferResponse resp;
-  KVF_CLIENT_RETURN(impl_->Unary(&v1::KvSession::Stub::Load, req, &resp));
+  KVF_CLIENT_RETURN(impl_->Unary(&v1::KvSession::Stub::Load,
+                                 BlocksLoad(impl_->id, tensor, pool, layer, from, to), &resp));
   return resp.tokens();
+}
+
+absl::StatusOr<Session::Pending> Session::SaveBlocksAsync(uint64_t tensor, const std::string& pool,
+                                                          uint32_t layer,
+                                                          std::span<const uint64_t> from,
+                                                          std::span<const PageHandle> to) {
+  v1::SaveRequest req = BlocksSave(impl_->id, tensor, pool, layer, from, to);
+  return impl_->Async(&v1::KvSession::Stub::Save, req);
+}
+
+absl::StatusOr<Session::Pending> Session::LoadBlocksAsync(uint64_t tensor, const std::string& pool,
+                                                          uint32_t layer,
+                                                          std::span<const PageHandle> from,
+                                                          std::span<const uint64_t> to) {
+  v1::LoadRequest req = BlocksLoad(impl_->id, tensor, pool, layer, from, to);
+  return impl_->Async(&v1::KvSession::Stub::Load, req);
+}
+
+absl::StatusOr<Session::Pending> Session::EnqueueSaveBlocks(uint64_t tensor,
+                                                            const std::string& pool,
+                                                            uint32_t layer,
+                                                            std::span<const uint64_t> from,
+                                                            std::span<const PageHandle> to) {
+  return impl_->Enqueue(&v1::KvSession::Stub::async_interface::Save,
+                        BlocksSave(impl_->id, tensor, pool, layer, from, to));
+}
+
+absl::StatusOr<Session::Pending> Session::EnqueueLoadBlocks(uint64_t tensor,
+                                                            const std::string& pool,
+                                                            uint32_t layer,
+                                                            std::span<const PageHandle> from,
+                                                            std::span<const uint64_t> to) {
+  return impl_->Enqueue(&v1::KvSession::Stub::async_interface::Load,
+                        BlocksLoad(impl_->id, tensor, pool, layer, from, to));
 }
 
 absl::StatusOr<Session::Pending> Session::SaveAsync(uint64_t tensor, const std::string& pool,

@@ -98,6 +98,10 @@ struct ClientOptions {
   // Channel credentials; null: plaintext (kvferryd accepts that on loopback only).
   std::shared_ptr<grpc::ChannelCredentials> credentials;
   std::string bearer_token;  // sent as `authorization: Bearer <token>` when not empty
+  // A Session's calls (Save, Load, ...) go round robin over this many connections, so that
+  // large requests issued from several threads at once are not read one after another
+  // from a single connection.
+  int session_connections = 4;
 };
 
 // Per-call overrides.

@@ -66,12 +66,16 @@ class Session {
    public:
     // True once the operation finished (successfully or not); reads shared memory only.
     bool Done() const;
-    // Waits (polling) until done or `timeout`; OK when it succeeded.
+    // Waits (polling) until done or `timeout`; OK when it succeeded. An enqueued request
+    // the daemon refused returns the daemon's status (with its reason).
     absl::Status Wait(absl::Duration timeout = absl::Seconds(60)) const;
 
-    // The outcome of one operation once its slot was taken for another (0: not yet).
+    // The outcome of one operation once its slot was taken for another (0: not yet), or
+    // the daemon's refusal of an enqueued one.
     struct Outcome {
       std::atomic<uint64_t> word{0};
+      std::atomic<bool> refused{false};
+      absl::Status refusal;  // written before `refused` is set
     };
 
    private:
@@ -110,7 +114,26 @@ class Session {
                                       std::span<const uint64_t> from, std::span<const PageHandle> to);
   absl::StatusOr<uint64_t> LoadBlocks(uint64_t tensor, const std::string& pool, uint32_t layer,
                                       std::span<const PageHandle> from, std::span<const uint64_t> to);
-  // The same, returning once the work is validated and enqueued.
+  // The same, returning once the work is validated and enqueued. Saves of different layers
+  // into the same pages do not wait for each other (a worker may save layer after layer
+  // while the earlier ones still run); two saves of one layer of a page take turns.
+  absl::StatusOr<Pending> SaveBlocksAsync(uint64_t tensor, const std::string& pool, uint32_t layer,
+                                          std::span<const uint64_t> from,
+                                          std::span<const PageHandle> to);
+  absl::StatusOr<Pending> LoadBlocksAsync(uint64_t tensor, const std::string& pool, uint32_t layer,
+                                          std::span<const PageHandle> from,
+                                          std::span<const uint64_t> to);
+  // The same without waiting for the daemon to take the request: it goes out on the client
+  // library's threads, so the calling thread (an engine's forward pass) never waits on gRPC.
+  // A refusal (a stale page, a block out of range, ...) becomes the Pending's outcome:
+  // Wait returns the daemon's status and reason. Requests enqueued one after another may
+  // reach the daemon in any order: wait for a Save's Pending before a Load of its pages.
+  absl::StatusOr<Pending> EnqueueSaveBlocks(uint64_t tensor, const std::string& pool,
+                                            uint32_t layer, std::span<const uint64_t> from,
+                                            std::span<const PageHandle> to);
+  absl::StatusOr<Pending> EnqueueLoadBlocks(uint64_t tensor, const std::string& pool,
+                                            uint32_t layer, std::span<const PageHandle> from,
+                                            std::span<const uint64_t> to);
   absl::StatusOr<Pending> SaveAsync(uint64_t tensor, const std::string& pool, uint32_t layer,
                                     std::span<const BlockSlot> from, std::span<const TokenLocation> to);
   absl::StatusOr<Pending> LoadAsync(uint64_t tensor, const std::string& pool, uint32_t layer,
