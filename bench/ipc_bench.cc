@@ -3,7 +3,12 @@
 // measured in the same run; and the latency of a 64-token Save/Load through the rpc and
 // through the completion word, next to WriteTokens/ReadWorkspace of the same tokens.
 //
-// Usage: ipc_bench --daemon PATH [--tokens N] [--reps R] [--layout v41] [--daemon-log-level L] [--daemon-arg FLAG]...
+// Then the engine's pattern: one layer after another saved (loaded) asynchronously into the
+// same pages, the completion words polled once all are issued, from one issuing thread and
+// from several.
+//
+// Usage: ipc_bench --daemon PATH [--tokens N] [--reps R] [--layout v41] [--layers L]
+//                  [--daemon-log-level L] [--daemon-arg FLAG]...
 #include <cuda_runtime_api.h>
 #include <httplib.h>
 #include <signal.h>
@@ -16,6 +21,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -56,7 +62,9 @@ int Main(int argc, char** argv) {
   int64_t tokens = 1 << 20;
   int reps = 5;
   std::string layout_name = "v41";
+  int layers = 8;  // of the pool, for the layer-after-layer rows
   for (int i = 1; i + 1 < argc; i += 2) {
+    if (!std::strcmp(argv[i], "--layers")) layers = std::max(1, std::atoi(argv[i + 1]));
     if (!std::strcmp(argv[i], "--daemon")) daemon = argv[i + 1];
     if (!std::strcmp(argv[i], "--tokens")) tokens = std::atoll(argv[i + 1]);
     if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
@@ -144,7 +152,22 @@ int Main(int argc, char** argv) {
                      .block_stride = ps * 1024ull, .token_stride = 1024};
   if (!client::DescribeDevicePointer(cache, t).ok()) return 1;
   const uint64_t tensor = *(*session)->RegisterKv(t);
-  if (!c->CreatePool({"bench", client_layout, ps, static_cast<uint64_t>(pages_n), 1, "cuda:0"}).ok()) return 1;
+  // One tensor per layer for the layer-after-layer rows (layer 0's is `tensor`).
+  std::vector<void*> layer_caches;
+  std::vector<uint64_t> layer_tensors = {tensor};
+  for (int l = 1; l < layers; ++l) {
+    void* m;
+    if (cudaMalloc(&m, tokens * 1024) != cudaSuccess) return 1;
+    cudaMemcpy(m, cache, tokens * 1024, cudaMemcpyDeviceToDevice);
+    layer_caches.push_back(m);
+    client::KvTensor lt = t;
+    if (!client::DescribeDevicePointer(m, lt).ok()) return 1;
+    layer_tensors.push_back(*(*session)->RegisterKv(lt));
+  }
+  if (!c->CreatePool({"bench", client_layout, ps, static_cast<uint64_t>(pages_n),
+                      static_cast<uint32_t>(layers), "cuda:0"}).ok()) {
+    return 1;
+  }
   std::vector<client::PageHandle> pages;
   while (static_cast<int64_t>(pages.size()) < pages_n) {
     auto more = *c->AllocatePages("bench", static_cast<uint32_t>(std::min<int64_t>(65536, pages_n - pages.size())));
@@ -238,12 +261,69 @@ int Main(int argc, char** argv) {
       return (save ? (*session)->Save(tensor, "bench", 0, from, to)
                    : (*session)->Load(tensor, "bench", 0, to, from)).ok();
     });
+    // Layer after layer, asynchronously: every layer's request issued (from `issuers`
+    // threads, each taking the next layer), then every completion word polled.
+    // `enqueue`: the requests go out without waiting for the daemon to take them.
+    auto layer_by_layer = [&](int issuers, bool enqueue) {
+      std::vector<double> t;
+      for (int i = 0; i < reps; ++i) {
+        if (save && !fresh_pages()) return -1.0;
+        std::vector<std::optional<client::Session::Pending>> pending(layers);
+        std::atomic<int> next{0}, failed{0};
+        const auto start = Clock::now();
+        std::vector<std::thread> pool;
+        for (int k = 0; k < issuers; ++k) {
+          pool.emplace_back([&] {
+            for (int l; (l = next.fetch_add(1)) < layers;) {
+              client::Session& s = **session;
+              auto p = enqueue ? (save ? s.EnqueueSaveBlocks(layer_tensors[l], "bench", l, block_ids, pages)
+                                       : s.EnqueueLoadBlocks(layer_tensors[l], "bench", l, pages, block_ids))
+                               : (save ? s.SaveBlocksAsync(layer_tensors[l], "bench", l, block_ids, pages)
+                                       : s.LoadBlocksAsync(layer_tensors[l], "bench", l, pages, block_ids));
+              if (p.ok()) {
+                pending[l] = *p;
+              } else {
+                std::fprintf(stderr, "layer %d: %s\n", l, std::string(p.status().message()).c_str());
+                ++failed;
+              }
+            }
+          });
+        }
+        for (auto& th : pool) th.join();
+        for (auto& p : pending) {
+          if (!p.has_value()) continue;
+          if (const absl::Status w = p->Wait(); !w.ok()) {
+            std::fprintf(stderr, "%s\n", std::string(w.message()).c_str());
+            ++failed;
+          }
+        }
+        if (failed > 0) return -1.0;
+        t.push_back(std::chrono::duration<double>(Clock::now() - start).count() / layers);
+      }
+      return Median(t);
+    };
+    struct Mode {
+      int issuers;
+      bool enqueue;
+    };
+    const std::vector<Mode> modes = {{1, false}, {4, false}, {8, false}, {1, true}};
+    std::vector<double> per_layer_times;
+    for (const Mode& m : modes) {
+      per_layer_times.push_back(layer_by_layer(m.issuers, m.enqueue));
+      if (per_layer_times.back() < 0) return 1;
+    }
     const std::string name = save ? "Save" : "Load";
     report((name + ", device (kernel in place, mean)").c_str(),
            (after.first - before.first) / std::max(1.0, after.second - before.second));
     report((name + ", page form rpc (returns when stored)").c_str(), blocks);
     report((name + ", page form, 16 rpcs from 4 threads (all stored)").c_str(), pipelined);
     report((name + ", token form rpc (1M token pairs in the request)").c_str(), tokens_rpc);
+    const std::string per_layer = ", page form async, " + std::to_string(layers) + " layers one after another";
+    for (size_t k = 0; k < modes.size(); ++k) {
+      const std::string how = modes[k].enqueue ? " enqueued from 1 thread"
+                                               : " from " + std::to_string(modes[k].issuers) + " threads";
+      report((name + per_layer + how + " (per layer)").c_str(), per_layer_times[k]);
+    }
   }
   std::printf("\n");
 
@@ -269,6 +349,7 @@ int Main(int argc, char** argv) {
   std::vector<uint16_t> back(n * 512);
   row("ReadWorkspace over gRPC", TimeMedian(lat_reps, [&] { return c->ReadWorkspaceInto("bench", 0, t64, back).ok(); }));
   cudaFree(cache);
+  for (void* m : layer_caches) cudaFree(m);
   return 0;
 }
 

@@ -10,8 +10,11 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <numeric>
+#include <optional>
+#include <thread>
 #include <random>
 
 #include "common/golden.h"
@@ -296,6 +299,85 @@ TEST_F(IpcTest, AsynchronousSaveCompletesThroughItsWord) {
     all.push_back(*p);
   }
   for (auto& p : all) EXPECT_TRUE(p.Wait().ok());
+}
+
+// The engine's pattern: each layer's blocks saved asynchronously into the same pages as the
+// forward pass reaches it, several still running when the next is issued, from several
+// threads at once, half of them enqueued without waiting for the daemon; then loaded back
+// the same way. Each layer holds the reference's records
+// of its own rows, and each layer's tensor gets them back dequantized.
+TEST_F(IpcTest, LayerAfterLayerAsynchronousSavesIntoTheSamePagesAllLand) {
+  const int ps = 64, blocks = 8, layers = 6;
+  const Layout layout = Layout::kV41;
+  ASSERT_TRUE(client_->CreatePool({"layers", L(layout), ps, blocks, layers, "cuda:0"}).ok());
+  const auto pages = *client_->AllocatePages("layers", blocks);
+  std::vector<uint64_t> order(blocks);
+  std::iota(order.rbegin(), order.rend(), 0);  // block blocks-1-i → page i
+  std::vector<std::unique_ptr<Device>> caches;
+  std::vector<uint64_t> tensors;
+  std::vector<std::vector<uint16_t>> rows;
+  for (int l = 0; l < layers; ++l) {
+    rows.push_back(testing::RandomRows(blocks * ps, 100 + l));
+    caches.push_back(std::make_unique<Device>(blocks * ps * 1024));
+    caches.back()->Upload(rows.back().data(), blocks * ps * 1024);
+    tensors.push_back(RegisterBf16(*caches.back(), blocks, ps, 1024, ps * 1024));
+  }
+  // Issues every layer's request from four threads; returns once each word says done.
+  auto every_layer = [&](bool save) {
+    std::vector<std::optional<Session::Pending>> pending(layers);
+    std::vector<absl::Status> issued(layers);
+    std::atomic<int> next{0};
+    std::vector<std::thread> issuers;
+    for (int k = 0; k < 4; ++k) {
+      issuers.emplace_back([&] {
+        for (int l; (l = next.fetch_add(1)) < layers;) {
+          // Odd layers enqueued (the request goes out without waiting for the daemon).
+          Session& s = *session_;
+          auto p = l % 2 == 1 ? (save ? s.EnqueueSaveBlocks(tensors[l], "layers", l, order, pages)
+                                      : s.EnqueueLoadBlocks(tensors[l], "layers", l, pages, order))
+                              : (save ? s.SaveBlocksAsync(tensors[l], "layers", l, order, pages)
+                                      : s.LoadBlocksAsync(tensors[l], "layers", l, pages, order));
+          issued[l] = p.status();
+          if (p.ok()) pending[l] = *p;
+        }
+      });
+    }
+    for (auto& t : issuers) t.join();
+    for (int l = 0; l < layers; ++l) {
+      ASSERT_TRUE(issued[l].ok()) << "layer " << l << ": " << issued[l];
+      const absl::Status done = pending[l]->Wait(absl::Seconds(30));
+      EXPECT_TRUE(done.ok()) << "layer " << l << ": " << done;
+    }
+  };
+  every_layer(/*save=*/true);
+  const PoolGeometry g{layout, ps, blocks};
+  std::vector<int64_t> locs(blocks * ps);
+  std::iota(locs.begin(), locs.end(), 0);
+  std::vector<std::vector<uint8_t>> ref(layers);
+  for (int l = 0; l < layers; ++l) {
+    // Row (order[p], t) of layer l at location p * ps + t.
+    std::vector<uint16_t> placed(rows[l].size());
+    for (int p = 0; p < blocks; ++p) {
+      std::copy_n(rows[l].begin() + order[p] * ps * 512, ps * 512, placed.begin() + p * ps * 512);
+    }
+    ref[l].assign(g.pool_bytes(), 0);
+    ASSERT_TRUE(reference::QuantizeStore(g, placed, locs, ref[l]).ok());
+    const uint32_t layer[] = {static_cast<uint32_t>(l)};
+    EXPECT_EQ(*client_->ReadPages("layers", pages, layer), ref[l]) << "layer " << l;
+  }
+  // Back into each layer's tensor, cleared first: block order[p] gets page p.
+  for (auto& c : caches) ASSERT_EQ(cudaMemset(c->ptr, 0, c->bytes), cudaSuccess);
+  every_layer(/*save=*/false);
+  for (int l = 0; l < layers; ++l) {
+    std::vector<uint16_t> expected(blocks * ps * 512), placed(blocks * ps * 512);
+    ASSERT_TRUE(reference::DequantizeGather(g, ref[l], locs, placed).ok());
+    for (int p = 0; p < blocks; ++p) {
+      std::copy_n(placed.begin() + p * ps * 512, ps * 512, expected.begin() + order[p] * ps * 512);
+    }
+    const auto got = caches[l]->Download();
+    EXPECT_TRUE(std::equal(got.begin(), got.end(), reinterpret_cast<const uint8_t*>(expected.data())))
+        << "layer " << l;
+  }
 }
 
 // The driver's virtual memory calls, found at run time (the test links no driver library).
