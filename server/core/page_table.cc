@@ -28,6 +28,7 @@ PageTable::PageTable(std::string pool_name, int64_t num_pages, int page_size, in
   for (int64_t i = 0; i < num_pages_; ++i) free_list_[i] = num_pages_ - 1 - i;
   written_.assign((num_tokens_ * num_layers_ + 63) / 64, 0);
   layer_writer_.assign((num_pages_ * num_layers_ + 63) / 64, 0);
+  readers_.assign(num_pages_, 0);
   held_.assign((num_tokens_ + 63) / 64, 0);
 }
 
@@ -115,6 +116,7 @@ absl::StatusOr<std::vector<int64_t>> PageTable::Free(std::span<const PageHandle>
     }
   }
   std::vector<int64_t> to_zero;
+  ++frees_;
   for (const PageHandle& h : handles) {
     const int64_t p = static_cast<int64_t>(h.page_id);
     Page& page = pages_[p];
@@ -122,7 +124,7 @@ absl::StatusOr<std::vector<int64_t>> PageTable::Free(std::span<const PageHandle>
     ++page.generation;
     page.state = State::kReclaiming;
     ++reclaiming_;
-    if (Unused(page)) to_zero.push_back(p);
+    if (Unused(p)) to_zero.push_back(p);
   }
   return to_zero;
 }
@@ -164,9 +166,18 @@ absl::StatusOr<PageTable::Pin> PageTable::PinLayer(std::span<const PageHandle> h
 bool PageTable::WriterHolds(int64_t p, int layer) const {
   const Page& page = pages_[p];
   if (page.writer) return true;
-  if (layer < 0) return page.layer_writers > 0;
+  if (layer < 0) return AnyLayerWriter(p);
   const int64_t bit = layer * num_pages_ + p;
   return (layer_writer_[bit / 64] >> (bit % 64)) & 1;
+}
+
+bool PageTable::AnyLayerWriter(int64_t p) const {
+  if (layer_writer_bits_ == 0) return false;
+  for (int layer = 0; layer < num_layers_; ++layer) {
+    const int64_t bit = layer * num_pages_ + p;
+    if ((layer_writer_[bit / 64] >> (bit % 64)) & 1) return true;
+  }
+  return false;
 }
 
 absl::StatusOr<PageTable::Pin> PageTable::PinList(std::span<const PageHandle> handles,
@@ -231,28 +242,29 @@ absl::StatusOr<PageTable::Pin> PageTable::PinList(std::span<const PageHandle> ha
         const int64_t p = pin.pages[i];
         const int64_t bit = layer * num_pages_ + p;
         layer_writer_[bit / 64] |= uint64_t{1} << (bit % 64);
-        ++pages_[p].layer_writers;
         pin.held[i] = HoldsRecords(layer, p);
       }
+      layer_writer_bits_ += static_cast<int64_t>(pin.pages.size());
     }
   } else {
-    for (int64_t p : pin.pages) ++pages_[p].readers;
+    for (int64_t p : pin.pages) ++readers_[p];
   }
+  pin.frees = frees_;
   return pin;
 }
 
 bool PageTable::Release(int64_t p, const Pin& pin) {
-  Page& page = pages_[p];
   if (!pin.exclusive) {
-    --page.readers;
+    --readers_[p];
   } else if (pin.layer < 0) {
-    page.writer = false;
+    pages_[p].writer = false;
   } else {
     const int64_t bit = pin.layer * num_pages_ + p;
     layer_writer_[bit / 64] &= ~(uint64_t{1} << (bit % 64));
-    --page.layer_writers;
+    --layer_writer_bits_;
   }
-  return page.state == State::kReclaiming && Unused(page);
+  // No free since the pin: every pinned page is still allocated.
+  return pin.frees != frees_ && pages_[p].state == State::kReclaiming && Unused(p);
 }
 
 std::vector<int64_t> PageTable::Unpin(const Pin& pin, int written_layer,
@@ -289,10 +301,13 @@ std::vector<int64_t> PageTable::UnpinWrittenPages(const Pin& pin, std::span<cons
   }
   kvferry::MutexLock lock(&mu_);
   std::vector<int64_t> to_zero;
+  const bool unchanged = pin.frees == frees_;
   for (size_t i = 0; i < written_pages.size(); ++i) {
     const int64_t p = written_pages[i];
-    const uint64_t generation = aligned ? pin.generations[i] : pinned.at(p);
-    if (pages_[p].state == State::kAllocated && generation == pages_[p].generation) {
+    if (unchanged && aligned) {
+      MarkPageWritten(layers[i], p);  // still allocated, at the pinned generation
+    } else if (const uint64_t generation = aligned ? pin.generations[i] : pinned.at(p);
+               pages_[p].state == State::kAllocated && generation == pages_[p].generation) {
       MarkPageWritten(layers[i], p);
     }
     // The pin's own pages, in one pass with their marks.
@@ -362,10 +377,16 @@ void PageTable::MarkPageWritten(int layer, int64_t page) {
     uint64_t* written = &written_[Bit(layer, token0) / 64];
     uint64_t* held = &held_[token0 / 64];
     for (int w = 0; w < page_size_ / 64; ++w) {
-      records_held_ += std::popcount(~written[w]);
-      written[w] = ~uint64_t{0};
-      tokens_held_ += std::popcount(~held[w]);
-      held[w] = ~uint64_t{0};
+      // Written only when they change: another layer's save of the page set the held bits
+      // already, and a line left clean stays shared among the cores reading it.
+      if (~written[w] != 0) {
+        records_held_ += std::popcount(~written[w]);
+        written[w] = ~uint64_t{0};
+      }
+      if (~held[w] != 0) {
+        tokens_held_ += std::popcount(~held[w]);
+        held[w] = ~uint64_t{0};
+      }
     }
     return;
   }

@@ -79,6 +79,7 @@ class PageTable {
     // PinLayer: per pinned page, whether the layer held a record in any of its slots when
     // pinned (1) or none (0), as PagesWithRecords says.
     std::vector<uint8_t> held;
+    uint64_t frees = 0;  // the table's count of frees when pinned
   };
   // Checks the handles (and that the pool is not deleted) and pins their pages. Repeats
   // are allowed and pinned once. Exclusive pins wait for other writers of the same pages,
@@ -133,9 +134,7 @@ class PageTable {
   struct Page {
     uint64_t generation = 0;
     State state = State::kFree;
-    bool writer = false;         // a writer of every layer holds the page
-    int32_t layer_writers = 0;   // writers of one layer each (bits in layer_writer_)
-    int32_t readers = 0;
+    bool writer = false;  // a writer of every layer holds the page
   };
 
   absl::Status CheckHandleLocked(const PageHandle& handle) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
@@ -152,8 +151,11 @@ class PageTable {
   bool WriterHolds(int64_t p, int layer) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   // Drops the pin of one page; true when the page now waits only for zeroing.
   bool Release(int64_t page, const Pin& pin) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  static bool Unused(const Page& page) {
-    return page.readers == 0 && !page.writer && page.layer_writers == 0;
+  // Whether a writer of some one layer holds page `p`.
+  bool AnyLayerWriter(int64_t p) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // No reader or writer of any kind holds page `p`.
+  bool Unused(int64_t p) const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return readers_[p] == 0 && !pages_[p].writer && !AnyLayerWriter(p);
   }
   int64_t Bit(int layer, int64_t token) const { return layer * num_tokens_ + token; }
 
@@ -165,12 +167,18 @@ class PageTable {
   const uint64_t incarnation_;
 
   mutable kvferry::Mutex mu_;
+  // Kept apart from the pins, so that pins and their releases (thousands of pages a call,
+  // from several threads) touch as few cache lines as they can.
   std::vector<Page> pages_ ABSL_GUARDED_BY(mu_);
+  std::vector<int32_t> readers_ ABSL_GUARDED_BY(mu_);  // per page
+  // Counts the frees: a pin taken when it read the same saw none of its pages freed since.
+  uint64_t frees_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<int64_t> free_list_ ABSL_GUARDED_BY(mu_);
   int64_t reclaiming_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<int64_t> unzeroed_ ABSL_GUARDED_BY(mu_);
   std::vector<uint64_t> written_ ABSL_GUARDED_BY(mu_);      // bits [layer][token]
   std::vector<uint64_t> layer_writer_ ABSL_GUARDED_BY(mu_);  // bits [layer][page]: pinned by a writer of that layer
+  int64_t layer_writer_bits_ ABSL_GUARDED_BY(mu_) = 0;       // set in layer_writer_
   // bits [token]: some layer holds a record there (the OR of the token's bits in written_)
   std::vector<uint64_t> held_ ABSL_GUARDED_BY(mu_);
   int64_t tokens_held_ ABSL_GUARDED_BY(mu_) = 0;

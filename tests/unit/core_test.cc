@@ -211,6 +211,21 @@ TEST(PageTableTest, WritersOfDifferentLayersOfOnePageDoNotWaitForEachOther) {
     EXPECT_EQ(table.PagesWithRecords(layer, again->pages), expected) << "layer " << layer;
     table.Unpin(*again);
   }
+
+  // A page freed while a layer's save holds it: the save's release marks only the page still
+  // allocated, and hands the freed one back for zeroing.
+  auto save = table.PinLayer(two, 2);
+  ASSERT_TRUE(save.ok());
+  const int64_t records_before = table.counts().records_held;
+  auto freed = table.Free({&two[0], 1});
+  ASSERT_TRUE(freed.ok());
+  EXPECT_TRUE(freed->empty());  // still held by the save
+  const std::vector<int> in_layer2(2, 2);
+  const std::vector<int64_t> both = {static_cast<int64_t>(two[0].page_id),
+                                     static_cast<int64_t>(two[1].page_id)};
+  EXPECT_EQ(table.UnpinWrittenPages(*save, in_layer2, both), std::vector<int64_t>{both[0]});
+  EXPECT_EQ(table.counts().records_held, records_before + 4);  // page two[1]'s 4 slots only
+  table.Reclaimed(std::vector<int64_t>{both[0]});
 }
 
 TEST(PageTableTest, DeletedPoolRefusesPins) {
