@@ -417,10 +417,14 @@ struct UcxWorker::State {
   // (RetireEnded).
   void Retire(const std::shared_ptr<Endpoint>& e, std::shared_ptr<Group> group) {
     if (e->ep == nullptr) return;
+    Forget(e);
+    retiring.push_back({e, std::move(group), absl::Now() + abandon_grace});
+  }
+  // Progress thread: new transfers to the peer no longer get `e`.
+  void Forget(const std::shared_ptr<Endpoint>& e) {
     if (auto it = endpoints.find(e->address); it != endpoints.end() && it->second == e) {
       endpoints.erase(it);
     }
-    retiring.push_back({e, std::move(group), absl::Now() + abandon_grace});
   }
   // Progress thread: closes the retired endpoints whose sends ended, and by force those past
   // their deadline. UCX 1.13's tcp transport can crash on bytes a peer sends to an endpoint
@@ -445,9 +449,7 @@ struct UcxWorker::State {
   // completes at once (with an error if unfinished); otherwise once they end.
   void Close(const std::shared_ptr<Endpoint>& e, bool force = true) {
     if (e->ep == nullptr) return;
-    if (auto it = endpoints.find(e->address); it != endpoints.end() && it->second == e) {
-      endpoints.erase(it);
-    }
+    Forget(e);
     ucp_request_param_t param{};
     param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
