@@ -117,10 +117,8 @@ struct Session::Impl {
   absl::StatusOr<Pending> Async(grpc::Status (v1::KvSession::Stub::*method)(
                                     grpc::ClientContext*, const Request&, v1::TransferResponse*),
                                 Request& request) {
-    absl::StatusOr<Slot> slot = TakeSlot();
+    absl::StatusOr<Slot> slot = TakeSlotFor(request);
     if (!slot.ok()) return slot.status();
-    request.mutable_completion()->set_slot(slot->index);
-    request.mutable_completion()->set_sequence(slot->sequence);
     v1::TransferResponse resp;
     if (absl::Status s = Unary(method, request, &resp); !s.ok()) {
       Unanswered(slot->index, s);
@@ -136,10 +134,8 @@ struct Session::Impl {
                                                           v1::TransferResponse*,
                                                           std::function<void(grpc::Status)>),
       Request request) {
-    absl::StatusOr<Slot> slot = TakeSlot();
+    absl::StatusOr<Slot> slot = TakeSlotFor(request);
     if (!slot.ok()) return slot.status();
-    request.mutable_completion()->set_slot(slot->index);
-    request.mutable_completion()->set_sequence(slot->sequence);
     struct Call {
       grpc::ClientContext ctx;
       Request request;
@@ -181,6 +177,16 @@ struct Session::Impl {
     }
     absl::MutexLock lock(&mu);
     busy[index] = false;
+  }
+  // A slot for `request`, named in it.
+  template <typename Request>
+  absl::StatusOr<Slot> TakeSlotFor(Request& request) {
+    absl::StatusOr<Slot> slot = TakeSlot();
+    if (slot.ok()) {
+      request.mutable_completion()->set_slot(slot->index);
+      request.mutable_completion()->set_sequence(slot->sequence);
+    }
+    return slot;
   }
   v1::KvSession::Stub* NextCaller() {
     return callers[next_caller.fetch_add(1, std::memory_order_relaxed) % callers.size()].get();
