@@ -11,7 +11,9 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <regex>
+#include <sstream>
 #include <thread>
 
 #include "daemon_harness.h"
@@ -364,6 +366,68 @@ TEST(SessionArgsTest, AnEnqueuedRequestTheDaemonRefusesCarriesItsReason) {
   for (const Session::Pending& p : last) {
     EXPECT_TRUE(p.Done());
     EXPECT_EQ(client::ErrorReason(p.Wait(absl::Seconds(1))), "TENSOR_NOT_FOUND");
+  }
+  EXPECT_TRUE(d.Alive());
+}
+
+// Established TCP connections on this machine whose remote end is 127.0.0.1:`port` (the
+// clients' side of connections to a daemon listening there), from /proc/net/tcp and tcp6
+// (gRPC connects IPv6 sockets to IPv4-mapped addresses).
+int ConnectionsTo(int port) {
+  int n = 0;
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream in(table);
+    std::string line;
+    std::getline(in, line);  // header
+    char v4[32], mapped[64];
+    std::snprintf(v4, sizeof(v4), "0100007F:%04X", port);
+    std::snprintf(mapped, sizeof(mapped), "0000000000000000FFFF00000100007F:%04X", port);
+    while (std::getline(in, line)) {
+      std::istringstream fields(line);
+      std::string slot, local, rem, state;
+      fields >> slot >> local >> rem >> state;
+      if ((rem == v4 || rem == mapped) && state == "01") ++n;
+    }
+  }
+  return n;
+}
+
+// ClientOptions::session_connections: a session's calls go round robin over that many
+// connections (one may be shared with other channels to the daemon), and a value below 1
+// (hostile or careless) means one: its calls still reach the daemon and get its answers.
+TEST(SessionConnectionsTest, ASessionsCallsSpreadOverTheConnectionsAskedFor) {
+  testing::Daemon d;
+  testing::CreatePool(d, "s", Layout::kV41, 16, 8);
+  auto calls = [&](Session& s) {
+    auto pages = s.AllocatePages("s", 1);
+    ASSERT_TRUE(pages.ok()) << pages.status();
+    const std::vector<uint64_t> blocks = {0};
+    for (int i = 0; i < 8; ++i) {
+      EXPECT_EQ(client::ErrorReason(s.SaveBlocks(12345, "s", 0, blocks, *pages).status()),
+                "TENSOR_NOT_FOUND");
+    }
+  };
+  for (const int asked : {4, 0, -3}) {
+    SCOPED_TRACE(asked);
+    const int before = ConnectionsTo(d.grpc_port());
+    client::ClientOptions o = Options(d);
+    o.session_connections = asked;
+    auto session = Session::Open(o, "connections", 0);
+    ASSERT_TRUE(session.ok()) << session.status();
+    calls(**session);
+    const int opened = ConnectionsTo(d.grpc_port()) - before;
+    if (asked == 4) {
+      EXPECT_GE(opened, 3);
+      EXPECT_LE(opened, 4);
+    } else {
+      EXPECT_LE(opened, 1);
+    }
+    EXPECT_TRUE((*session)->Close().ok());
+    session->reset();
+    // The session's own connections close with it (before the next round counts).
+    for (int i = 0; i < 100 && ConnectionsTo(d.grpc_port()) > before; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
   }
   EXPECT_TRUE(d.Alive());
 }
