@@ -192,12 +192,16 @@ absl::StatusOr<PageTable::Pin> PageTable::PinList(std::span<const PageHandle> ha
   const bool in_range = std::all_of(handles.begin(), handles.end(), [&](const PageHandle& h) {
     return h.page_id < static_cast<uint64_t>(num_pages_);
   });
+  bool repeats = false;
   if (in_range) {
     pin.pages.reserve(handles.size());
     pin.generations.reserve(handles.size());
     SeenPages seen(handles.size(), num_pages_);
     for (const PageHandle& h : handles) {
-      if (!seen.Insert(h.page_id)) continue;
+      if (!seen.Insert(h.page_id)) {
+        repeats = true;
+        continue;
+      }
       pin.pages.push_back(static_cast<int64_t>(h.page_id));
       pin.generations.push_back(h.generation);
     }
@@ -208,9 +212,49 @@ absl::StatusOr<PageTable::Pin> PageTable::PinList(std::span<const PageHandle> ha
       return Error(absl::StatusCode::kAborted, ErrorReason::kPoolDeleted,
                    absl::StrCat("pool '", pool_name_, "' was deleted"));
     }
+    // Without repeats the list's pages, each once, decide; a failure is then reported from
+    // the handles in list order. (A repeat may carry another generation: every handle then.)
+    if (in_range && !repeats) {
+      bool valid = true;
+      for (size_t i = 0; i < pin.pages.size() && valid; ++i) {
+        const Page& page = pages_[pin.pages[i]];
+        valid = page.state == State::kAllocated && page.generation == pin.generations[i];
+      }
+      if (valid) return absl::OkStatus();
+    }
     for (const PageHandle& h : handles) KVF_RETURN_IF_ERROR(CheckHandleLocked(h));
     return absl::OkStatus();
   };
+  if (exclusive && layer >= 0 && in_range && !repeats && !deleted_) {
+    // A layer's save, the common case: each listed page checked, found free of writers and
+    // taken in one pass. A page that fails stops it; what was taken is let go, and the
+    // general path below refuses or waits.
+    const size_t n = pin.pages.size();
+    pin.held.resize(n);
+    size_t taken = 0;
+    for (; taken < n; ++taken) {
+      const int64_t p = pin.pages[taken];
+      const Page& page = pages_[p];
+      const int64_t bit = layer * num_pages_ + p;
+      uint64_t& word = layer_writer_[bit / 64];
+      const uint64_t mask = uint64_t{1} << (bit % 64);
+      if (page.state != State::kAllocated || page.generation != pin.generations[taken] ||
+          page.writer || (word & mask) != 0) {
+        break;
+      }
+      word |= mask;
+      pin.held[taken] = HoldsRecords(layer, p);
+    }
+    if (taken == n) {
+      layer_writer_bits_ += static_cast<int64_t>(n);
+      pin.frees = frees_;
+      return pin;
+    }
+    for (size_t i = 0; i < taken; ++i) {
+      const int64_t bit = layer * num_pages_ + pin.pages[i];
+      layer_writer_[bit / 64] &= ~(uint64_t{1} << (bit % 64));
+    }
+  }
   KVF_RETURN_IF_ERROR(check());
   if (exclusive) {
     // Wait until no other write holds any of these pages (of this layer), then take them
@@ -302,6 +346,18 @@ std::vector<int64_t> PageTable::UnpinWrittenPages(const Pin& pin, std::span<cons
   kvferry::MutexLock lock(&mu_);
   std::vector<int64_t> to_zero;
   const bool unchanged = pin.frees == frees_;
+  if (unchanged && aligned && pin.exclusive && pin.layer >= 0 &&
+      std::all_of(layers.begin(), layers.end(), [&](int l) { return l == pin.layer; })) {
+    // A page-form save of one layer, no page freed since its pin: every page is still
+    // allocated at its pinned generation and none waits for reclaim. Mark and release.
+    for (const int64_t p : written_pages) {
+      MarkPageWritten(pin.layer, p);
+      const int64_t bit = pin.layer * num_pages_ + p;
+      layer_writer_[bit / 64] &= ~(uint64_t{1} << (bit % 64));
+    }
+    layer_writer_bits_ -= static_cast<int64_t>(written_pages.size());
+    return to_zero;
+  }
   for (size_t i = 0; i < written_pages.size(); ++i) {
     const int64_t p = written_pages[i];
     if (unchanged && aligned) {
@@ -354,6 +410,12 @@ void ForEachWord(int64_t begin, int64_t end, Visit visit) {
 
 bool PageTable::HoldsRecords(int layer, int64_t page) const {
   const int64_t begin = Bit(layer, page * page_size_);
+  if (page_size_ % 64 == 0) {  // whole words, no masks
+    const uint64_t* words = &written_[begin / 64];
+    uint64_t any = 0;
+    for (int w = 0; w < page_size_ / 64; ++w) any |= words[w];
+    return any != 0;
+  }
   bool any = false;
   ForEachWord(begin, begin + page_size_, [&](int64_t w, uint64_t mask)
                                              ABSL_NO_THREAD_SAFETY_ANALYSIS {
@@ -379,12 +441,14 @@ void PageTable::MarkPageWritten(int layer, int64_t page) {
     for (int w = 0; w < page_size_ / 64; ++w) {
       // Written only when they change: another layer's save of the page set the held bits
       // already, and a line left clean stays shared among the cores reading it.
+      // A fresh page's words are 0: no popcount (a library call where the build targets
+      // x86-64 without POPCNT).
       if (~written[w] != 0) {
-        records_held_ += std::popcount(~written[w]);
+        records_held_ += written[w] == 0 ? 64 : std::popcount(~written[w]);
         written[w] = ~uint64_t{0};
       }
       if (~held[w] != 0) {
-        tokens_held_ += std::popcount(~held[w]);
+        tokens_held_ += held[w] == 0 ? 64 : std::popcount(~held[w]);
         held[w] = ~uint64_t{0};
       }
     }

@@ -393,6 +393,56 @@ TEST(PageTableTest, CheckHandlesNamesTheFirstBadHandleAndLongPinListsPinRepeatsO
   EXPECT_EQ(table.Free(h)->size(), 600u);
 }
 
+TEST(PageTableTest, LongPinListsAreRefusedAtTheirFirstBadHandleAndPinNothing) {
+  PageTable table("p", 600, 64, 2, 3);
+  const std::vector<PageHandle> h = *table.Allocate(600);
+  auto writers_can_pin_all = [&] {
+    absl::StatusOr<PageTable::Pin> all = table.PinPages(h, /*exclusive=*/true, absl::ZeroDuration());
+    if (!all.ok()) return false;
+    table.Unpin(*all);
+    return true;
+  };
+  for (const bool layer_pin : {false, true}) {
+    SCOPED_TRACE(layer_pin ? "PinLayer" : "PinPages");
+    auto pin = [&](const std::vector<PageHandle>& list) {
+      return layer_pin ? table.PinLayer(list, 1) : table.PinPages(list, /*exclusive=*/true);
+    };
+    // Two bad handles: the one listed first is named, whichever page it is.
+    std::vector<PageHandle> bad = h;
+    bad[450].generation += 1;
+    bad[120].generation += 7;
+    absl::StatusOr<PageTable::Pin> refused = pin(bad);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(ReasonOf(refused.status()), ErrorReason::kStalePageHandle) << refused.status();
+    EXPECT_NE(std::string(refused.status().message()).find("page 120 "), std::string::npos)
+        << refused.status();
+    // A page listed twice, the repeat with a stale generation: refused, though the page's
+    // first listing is current.
+    std::vector<PageHandle> repeat = h;
+    repeat.push_back(h[300]);
+    repeat.back().generation -= 1;
+    refused = pin(repeat);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(ReasonOf(refused.status()), ErrorReason::kStalePageHandle) << refused.status();
+    EXPECT_NE(std::string(refused.status().message()).find("page 300 "), std::string::npos)
+        << refused.status();
+    // A page outside the pool among them.
+    std::vector<PageHandle> outside = h;
+    outside[599].page_id = 600;
+    refused = pin(outside);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_EQ(ReasonOf(refused.status()), ErrorReason::kPageOutOfRange) << refused.status();
+    // None of the refused pins holds a page.
+    EXPECT_TRUE(writers_can_pin_all());
+  }
+  // A freed page among 600 refuses the list; the others stay pinnable.
+  ASSERT_TRUE(table.Free({&h[42], 1}).ok());
+  absl::StatusOr<PageTable::Pin> refused = table.PinLayer(h, 0);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(std::string(refused.status().message()).find("page 42 "), std::string::npos)
+      << refused.status();
+}
+
 TEST(CoreGoldenTest, RowsWritePagesReadWorkspaceAndTranscodeMatchTheGoldens) {
   for (const testing::GoldenCase& c : testing::GoldenCases()) {
     const auto rows = testing::ReadArray<uint16_t>(c.file("input.bf16"));
