@@ -4,7 +4,7 @@
 // the calls of one pool cannot start or finish faster than one per (pin + release).
 //
 // Usage: page_table_bench [Google Benchmark flags]
-//   Save/threads:1   one layer's PinLayer + UnpinWrittenPages, one caller
+//   Save/threads:1   one layer's PinLayer + UnpinLayerPages, one caller
 //   Save/threads:4   four callers, each its own layer of the same pages (an engine's
 //                    layer-after-layer saves issued from four threads)
 //   SaveFreshPages   one caller, layer after layer into pages freed and allocated again
@@ -12,7 +12,6 @@
 //   Load/threads:N   the same with shared pins, released without marks
 #include <benchmark/benchmark.h>
 
-#include <algorithm>
 #include <vector>
 
 #include "core/page_table.h"
@@ -43,14 +42,13 @@ void Teardown(const benchmark::State&) {
 
 void BM_Save(benchmark::State& state) {
   const int layer = state.thread_index() % kLayers;
-  const std::vector<int> layers(shared->ids.size(), layer);
   for (auto _ : state) {
     absl::StatusOr<PageTable::Pin> pin = shared->table.PinLayer(shared->handles, layer);
     if (!pin.ok()) {
       state.SkipWithError("pin failed");
       return;
     }
-    benchmark::DoNotOptimize(shared->table.UnpinWrittenPages(*pin, layers, shared->ids));
+    benchmark::DoNotOptimize(shared->table.UnpinLayerPages(*pin, shared->ids));
   }
   state.SetItemsProcessed(state.iterations() * kPagesPerCall);
 }
@@ -58,16 +56,14 @@ void BM_Save(benchmark::State& state) {
 // As an engine saves a prefill: layer after layer into fresh pages (freed and allocated
 // again, untimed, after every kLayers calls), so that every mark sets bits.
 void BM_SaveFreshPages(benchmark::State& state) {
-  std::vector<int> layers(shared->ids.size());
   int layer = 0;
   for (auto _ : state) {
-    std::fill(layers.begin(), layers.end(), layer);
     absl::StatusOr<PageTable::Pin> pin = shared->table.PinLayer(shared->handles, layer);
     if (!pin.ok()) {
       state.SkipWithError("pin failed");
       return;
     }
-    benchmark::DoNotOptimize(shared->table.UnpinWrittenPages(*pin, layers, shared->ids));
+    benchmark::DoNotOptimize(shared->table.UnpinLayerPages(*pin, shared->ids));
     if (++layer == kLayers) {
       state.PauseTiming();
       layer = 0;

@@ -346,18 +346,6 @@ std::vector<int64_t> PageTable::UnpinWrittenPages(const Pin& pin, std::span<cons
   kvferry::MutexLock lock(&mu_);
   std::vector<int64_t> to_zero;
   const bool unchanged = pin.frees == frees_;
-  if (unchanged && aligned && pin.exclusive && pin.layer >= 0 &&
-      std::all_of(layers.begin(), layers.end(), [&](int l) { return l == pin.layer; })) {
-    // A page-form save of one layer, no page freed since its pin: every page is still
-    // allocated at its pinned generation and none waits for reclaim. Mark and release.
-    for (const int64_t p : written_pages) {
-      MarkPageWritten(pin.layer, p);
-      const int64_t bit = pin.layer * num_pages_ + p;
-      layer_writer_[bit / 64] &= ~(uint64_t{1} << (bit % 64));
-    }
-    layer_writer_bits_ -= static_cast<int64_t>(written_pages.size());
-    return to_zero;
-  }
   for (size_t i = 0; i < written_pages.size(); ++i) {
     const int64_t p = written_pages[i];
     if (unchanged && aligned) {
@@ -375,6 +363,27 @@ std::vector<int64_t> PageTable::UnpinWrittenPages(const Pin& pin, std::span<cons
     }
   }
   return to_zero;
+}
+
+std::vector<int64_t> PageTable::UnpinLayerPages(const Pin& pin,
+                                                std::span<const int64_t> written_pages) {
+  if (pin.exclusive && pin.layer >= 0 &&
+      std::equal(written_pages.begin(), written_pages.end(), pin.pages.begin(), pin.pages.end())) {
+    kvferry::MutexLock lock(&mu_);
+    if (pin.frees == frees_) {
+      // No page freed since the pin: every page is still allocated at its pinned generation
+      // and none waits for reclaim. Mark and let go in one pass.
+      for (const int64_t p : written_pages) {
+        MarkPageWritten(pin.layer, p);
+        const int64_t bit = pin.layer * num_pages_ + p;
+        layer_writer_[bit / 64] &= ~(uint64_t{1} << (bit % 64));
+      }
+      layer_writer_bits_ -= static_cast<int64_t>(written_pages.size());
+      return {};
+    }
+  }
+  const std::vector<int> layers(written_pages.size(), pin.layer);
+  return UnpinWrittenPages(pin, layers, written_pages);
 }
 
 std::vector<int64_t> PageTable::WrittenSlots(int layer, std::span<const int64_t> pages) const {

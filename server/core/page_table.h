@@ -103,6 +103,10 @@ class PageTable {
                                          std::span<const int64_t> pages)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Same for a layer's pin (PinLayer): every slot of the listed pages in the pin's layer.
+  std::vector<int64_t> UnpinLayerPages(const Pin& pin, std::span<const int64_t> pages)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   // FAILED_PRECONDITION / INVALID_ARGUMENT unless the handle names an allocated page of its
   // generation in this incarnation.
   absl::Status CheckHandle(const PageHandle& handle) const ABSL_LOCKS_EXCLUDED(mu_);

@@ -239,6 +239,10 @@ void Pool::Unpin(const PageTable::Pin& pin, int written_layer,
   ZeroAndReclaim(table_.Unpin(pin, written_layer, written_tokens)).IgnoreError();
 }
 
+void Pool::UnpinLayerPages(const PageTable::Pin& pin, std::span<const int64_t> pages) {
+  ZeroAndReclaim(table_.UnpinLayerPages(pin, pages)).IgnoreError();
+}
+
 void Pool::UnpinWrittenPages(const PageTable::Pin& pin, std::span<const int> layers,
                              std::span<const int64_t> pages) {
   ZeroAndReclaim(table_.UnpinWrittenPages(pin, layers, pages)).IgnoreError();

@@ -98,6 +98,7 @@ class Pool : public std::enable_shared_from_this<Pool> {
              std::span<const int64_t> written_tokens = {});
   void UnpinWrittenPages(const PageTable::Pin& pin, std::span<const int> layers,
                          std::span<const int64_t> pages);
+  void UnpinLayerPages(const PageTable::Pin& pin, std::span<const int64_t> pages);
 
  private:
   Pool(const PoolConfig& config, std::shared_ptr<Backend> backend, uint64_t incarnation,

@@ -443,6 +443,10 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
   Backend& backend = *tensor->backend;
   uint8_t* layer_base = pool->base() + r.layer * g.pool_bytes();
 
+  // Where the host time of one call goes (logged at debug level): checks, pinning, staging
+  // and launching before the device work, releasing after it.
+  // `scratch_at`: the scratch taken (from the backend's block cache), within staging.
+  std::chrono::steady_clock::time_point checked_at, pinned_at, scratch_at;
   // Host staging for the index arrays and the flag, pinned; device scratch beside it.
   struct Scratch {
     Buffer host, device;
@@ -452,6 +456,7 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
   auto make_scratch = [&](int64_t host, int64_t device) -> absl::Status {
     KVF_ASSIGN_OR_RETURN(scratch->host, backend.Allocate(host, MemoryKind::kHostStaging, false));
     KVF_ASSIGN_OR_RETURN(scratch->device, backend.Allocate(std::max(host, device), MemoryKind::kDevice, false));
+    scratch_at = std::chrono::steady_clock::now();
     return absl::OkStatus();
   };
   std::vector<Op> ops;
@@ -466,9 +471,6 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
   uint64_t bytes_moved = 0;
   PageTable::Pin pin;
   std::function<absl::Status(const absl::Status&)> finish;  // after the device work
-  // Where the host time of one call goes (logged at debug level): checks, pinning, staging
-  // and launching before the device work, releasing after it.
-  std::chrono::steady_clock::time_point checked_at, pinned_at;
 
   if (!records) {
     // Per token: the row's element offset in the tensor's allocation, and the pool location;
@@ -550,16 +552,20 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
     if (save) {
       // Pages that already hold records of this layer are backed up, so that a row found
       // NaN or Inf by the kernel can be undone; fresh pages are zeroed back instead.
-      std::vector<int64_t> backup, fresh;
-      for (size_t i = 0; i < pin.pages.size(); ++i) {
-        (pin.held[i] ? backup : fresh).push_back(r.layer * g.num_pages + pin.pages[i]);
+      // The fresh pages' list is made only if the save is undone (from the pin).
+      std::vector<int64_t> backup;
+      const int64_t fresh_count = std::count(pin.held.begin(), pin.held.end(), 0);
+      if (fresh_count < static_cast<int64_t>(pin.pages.size())) {
+        for (size_t i = 0; i < pin.pages.size(); ++i) {
+          if (pin.held[i]) backup.push_back(r.layer * g.num_pages + pin.pages[i]);
+        }
       }
       // Scratch: [flag | backup ids | fresh ids | page lists] staged from the host, then the
       // per-token indices (from the host in the token form, expanded on the device in the
       // page form: 16 MB for 1M tokens that need no host copy), then the backed-up pages.
       const int64_t at_flag = 0, at_backup_ids = 256;
       const int64_t at_fresh_ids = at_backup_ids + AlignUp(backup.size() * 8 + 8, 256);
-      const int64_t at_lists = at_fresh_ids + AlignUp(fresh.size() * 8 + 8, 256);
+      const int64_t at_lists = at_fresh_ids + AlignUp(fresh_count * 8 + 8, 256);
       const int64_t at_offsets = at_lists + lists_bytes, at_locs = at_offsets + AlignUp(n * 8, 256);
       const int64_t at_backup = at_locs + AlignUp(n * 8, 256);
       if (absl::Status s = make_scratch(page_form ? at_offsets : at_backup,
@@ -588,12 +594,12 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
       }
       // The fresh pages' ids go to the device only if the store is undone.
       PageCopyParams zero = keep;
-      zero.num_listed = static_cast<int64_t>(fresh.size());
+      zero.num_listed = fresh_count;
       zero.pages = reinterpret_cast<const int64_t*>(dev + at_fresh_ids);
       ops.push_back(q);
       ops.push_back(CopyOp{scratch->host.get() + at_flag, dev + at_flag, 4});
       finish = [pool, pin = std::move(pin), scratch, keep, zero, at_flag, at_fresh_ids,
-                fresh = std::move(fresh), layer = r.layer, page_form, locs = std::move(locs),
+                layer = r.layer, num_pages = g.num_pages, page_form, locs = std::move(locs),
                 page_ids = std::move(page_ids), &backend](const absl::Status& ran) -> absl::Status {
         uint32_t flag = 0;
         std::memcpy(&flag, scratch->host.get() + at_flag, 4);
@@ -602,6 +608,10 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
           std::vector<Op> undo;
           if (keep.num_listed > 0) undo.push_back(ScatterPagesOp{keep});
           if (zero.num_listed > 0) {
+            std::vector<int64_t> fresh;
+            for (size_t i = 0; i < pin.pages.size(); ++i) {
+              if (!pin.held[i]) fresh.push_back(static_cast<int64_t>(layer) * num_pages + pin.pages[i]);
+            }
             std::memcpy(scratch->host.get() + at_fresh_ids, fresh.data(), fresh.size() * 8);
             undo.push_back(CopyOp{scratch->device.get() + at_fresh_ids,
                                   scratch->host.get() + at_fresh_ids, fresh.size() * 8});
@@ -614,8 +624,7 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
           }
         }
         if (result.ok() && page_form) {
-          pool->UnpinWrittenPages(pin, std::vector<int>(page_ids.size(), static_cast<int>(layer)),
-                                  page_ids);  // every slot of each page
+          pool->UnpinLayerPages(pin, page_ids);  // every slot of each page
         } else {
           pool->Unpin(pin, result.ok() ? static_cast<int>(layer) : -1,
                       result.ok() ? std::span<const int64_t>(locs) : std::span<const int64_t>());
@@ -707,11 +716,10 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
         ops.push_back(t);
       }
     }
-    std::vector<int> layers(n, static_cast<int>(r.layer));
-    finish = [pool, pin = std::move(pin), scratch, save, layers = std::move(layers),
+    finish = [pool, pin = std::move(pin), scratch, save,
               page_ids = std::move(page_ids)](const absl::Status& ran) {
       if (save && ran.ok()) {
-        pool->UnpinWrittenPages(pin, layers, page_ids);
+        pool->UnpinLayerPages(pin, page_ids);
       } else {
         pool->Unpin(pin);
       }
@@ -731,17 +739,18 @@ absl::StatusOr<int64_t> SessionManager::Transfer(const TransferRequest& r, bool 
   auto done = std::make_shared<Completion>(std::move(*submitted));
   const auto submitted_at = std::chrono::steady_clock::now();
   auto complete = [done, finish = std::move(finish), tensor, pool, observer = observer_, op, bytes_moved, start,
-                   checked_at, pinned_at, staged_at, submitted_at, tokens, hold = r.hold]() {
+                   checked_at, pinned_at, scratch_at, staged_at, submitted_at, tokens, hold = r.hold]() {
     absl::Status ran = WithReason(done->Wait(), ErrorReason::kDeviceError);
     const auto waited_at = std::chrono::steady_clock::now();
     // The device part alone (kvferry_kernel_seconds{op="save"|"load"}).
     pool->ObserveOp(op, std::chrono::duration<double>(waited_at - submitted_at).count());
     const absl::Status s = finish(ran);
     if (spdlog::should_log(spdlog::level::debug)) {
-      log::Debug("session {} of {} tokens: checks {:.3f} ms, pinning {:.3f}, staging {:.3f}, "
-                 "launch {:.3f}, device {:.3f}, release {:.3f}",
+      log::Debug("session {} of {} tokens: checks {:.3f} ms, pinning {:.3f}, staging {:.3f} "
+                 "(scratch {:.3f}), launch {:.3f}, device {:.3f}, release {:.3f}",
                  op, tokens, log::Millis(start, checked_at), log::Millis(checked_at, pinned_at),
-                 log::Millis(pinned_at, staged_at), log::Millis(staged_at, submitted_at),
+                 log::Millis(pinned_at, staged_at), log::Millis(pinned_at, scratch_at),
+                 log::Millis(staged_at, submitted_at),
                  log::Millis(submitted_at, waited_at),
                  log::Millis(waited_at, std::chrono::steady_clock::now()));
     }

@@ -220,10 +220,9 @@ TEST(PageTableTest, WritersOfDifferentLayersOfOnePageDoNotWaitForEachOther) {
   auto freed = table.Free({&two[0], 1});
   ASSERT_TRUE(freed.ok());
   EXPECT_TRUE(freed->empty());  // still held by the save
-  const std::vector<int> in_layer2(2, 2);
   const std::vector<int64_t> both = {static_cast<int64_t>(two[0].page_id),
                                      static_cast<int64_t>(two[1].page_id)};
-  EXPECT_EQ(table.UnpinWrittenPages(*save, in_layer2, both), std::vector<int64_t>{both[0]});
+  EXPECT_EQ(table.UnpinLayerPages(*save, both), std::vector<int64_t>{both[0]});
   EXPECT_EQ(table.counts().records_held, records_before + 4);  // page two[1]'s 4 slots only
   table.Reclaimed(std::vector<int64_t>{both[0]});
 }
@@ -321,10 +320,16 @@ TEST(PageTableTest, HeldTokensAndRecordsFollowASetOfRecordsThroughWritesAndFrees
           for (int64_t t : tokens) records.insert({layer, t});
           break;
         }
-        case 1: {  // the whole page
+        case 1: {  // the whole page, by a writer of every layer or of this one
           const std::vector<int> in_layer = {layer};
           const std::vector<int64_t> ids = {p};
-          table.UnpinWrittenPages(pin, in_layer, ids);
+          if (step % 2 == 0) {
+            table.UnpinWrittenPages(pin, in_layer, ids);
+          } else {
+            table.Unpin(pin);
+            const PageTable::Pin one = *table.PinLayer({&handles[p], 1}, layer);
+            table.UnpinLayerPages(one, ids);
+          }
           for (int s = 0; s < page_size; ++s) records.insert({layer, p * page_size + s});
           break;
         }
