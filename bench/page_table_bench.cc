@@ -28,7 +28,9 @@ struct Shared {
   PageTable table{"bench", kPagesPerCall, kPageSize, kLayers, 1};
   std::vector<PageHandle> handles = *table.Allocate(kPagesPerCall);
   std::vector<int64_t> ids;
-  Shared() {
+  Shared() { ListIds(); }
+  void ListIds() {
+    ids.clear();
     for (const PageHandle& h : handles) ids.push_back(static_cast<int64_t>(h.page_id));
   }
 };
@@ -40,15 +42,21 @@ void Teardown(const benchmark::State&) {
   shared = nullptr;
 }
 
+// One layer's save as the table sees it: the pin, then the release marking every page.
+bool SaveLayer(benchmark::State& state, int layer) {
+  absl::StatusOr<PageTable::Pin> pin = shared->table.PinLayer(shared->handles, layer);
+  if (!pin.ok()) {
+    state.SkipWithError("pin failed");
+    return false;
+  }
+  benchmark::DoNotOptimize(shared->table.UnpinLayerPages(*pin, shared->ids));
+  return true;
+}
+
 void BM_Save(benchmark::State& state) {
   const int layer = state.thread_index() % kLayers;
   for (auto _ : state) {
-    absl::StatusOr<PageTable::Pin> pin = shared->table.PinLayer(shared->handles, layer);
-    if (!pin.ok()) {
-      state.SkipWithError("pin failed");
-      return;
-    }
-    benchmark::DoNotOptimize(shared->table.UnpinLayerPages(*pin, shared->ids));
+    if (!SaveLayer(state, layer)) return;
   }
   state.SetItemsProcessed(state.iterations() * kPagesPerCall);
 }
@@ -58,12 +66,7 @@ void BM_Save(benchmark::State& state) {
 void BM_SaveFreshPages(benchmark::State& state) {
   int layer = 0;
   for (auto _ : state) {
-    absl::StatusOr<PageTable::Pin> pin = shared->table.PinLayer(shared->handles, layer);
-    if (!pin.ok()) {
-      state.SkipWithError("pin failed");
-      return;
-    }
-    benchmark::DoNotOptimize(shared->table.UnpinLayerPages(*pin, shared->ids));
+    if (!SaveLayer(state, layer)) return;
     if (++layer == kLayers) {
       state.PauseTiming();
       layer = 0;
@@ -74,8 +77,7 @@ void BM_SaveFreshPages(benchmark::State& state) {
       }
       shared->table.Reclaimed(*to_zero);
       shared->handles = *shared->table.Allocate(kPagesPerCall);
-      shared->ids.clear();
-      for (const PageHandle& h : shared->handles) shared->ids.push_back(static_cast<int64_t>(h.page_id));
+      shared->ListIds();
       state.ResumeTiming();
     }
   }

@@ -367,8 +367,8 @@ std::vector<int64_t> PageTable::UnpinWrittenPages(const Pin& pin, std::span<cons
 
 std::vector<int64_t> PageTable::UnpinLayerPages(const Pin& pin,
                                                 std::span<const int64_t> written_pages) {
-  if (pin.exclusive && pin.layer >= 0 &&
-      std::equal(written_pages.begin(), written_pages.end(), pin.pages.begin(), pin.pages.end())) {
+  if (!pin.exclusive || pin.layer < 0) return Unpin(pin);  // not a layer's pin: no marks
+  if (std::equal(written_pages.begin(), written_pages.end(), pin.pages.begin(), pin.pages.end())) {
     kvferry::MutexLock lock(&mu_);
     if (pin.frees == frees_) {
       // No page freed since the pin: every page is still allocated at its pinned generation
