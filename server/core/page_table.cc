@@ -64,8 +64,7 @@ absl::Status PageTable::CheckHandleLocked(const PageHandle& handle) const {
                  absl::StrCat("page ", handle.page_id, " is outside pool '", pool_name_, "' of ",
                               num_pages_, " pages"));
   }
-  const Page& page = pages_[handle.page_id];
-  if (page.state != State::kAllocated || page.generation != handle.generation) {
+  if (!Current(static_cast<int64_t>(handle.page_id), handle.generation)) {
     // The current generation is never echoed: it is the handle of whoever holds the page.
     const bool other_pool = (handle.generation >> kGenerationCountBits) != incarnation_;
     return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kStalePageHandle,
@@ -167,15 +166,13 @@ bool PageTable::WriterHolds(int64_t p, int layer) const {
   const Page& page = pages_[p];
   if (page.writer) return true;
   if (layer < 0) return AnyLayerWriter(p);
-  const int64_t bit = layer * num_pages_ + p;
-  return (layer_writer_[bit / 64] >> (bit % 64)) & 1;
+  return LayerWriter(layer, p);
 }
 
 bool PageTable::AnyLayerWriter(int64_t p) const {
   if (layer_writer_bits_ == 0) return false;
   for (int layer = 0; layer < num_layers_; ++layer) {
-    const int64_t bit = layer * num_pages_ + p;
-    if ((layer_writer_[bit / 64] >> (bit % 64)) & 1) return true;
+    if (LayerWriter(layer, p)) return true;
   }
   return false;
 }
@@ -217,8 +214,7 @@ absl::StatusOr<PageTable::Pin> PageTable::PinList(std::span<const PageHandle> ha
     if (in_range && !repeats) {
       bool valid = true;
       for (size_t i = 0; i < pin.pages.size() && valid; ++i) {
-        const Page& page = pages_[pin.pages[i]];
-        valid = page.state == State::kAllocated && page.generation == pin.generations[i];
+        valid = Current(pin.pages[i], pin.generations[i]);
       }
       if (valid) return absl::OkStatus();
     }
@@ -234,15 +230,8 @@ absl::StatusOr<PageTable::Pin> PageTable::PinList(std::span<const PageHandle> ha
     size_t taken = 0;
     for (; taken < n; ++taken) {
       const int64_t p = pin.pages[taken];
-      const Page& page = pages_[p];
-      const int64_t bit = layer * num_pages_ + p;
-      uint64_t& word = layer_writer_[bit / 64];
-      const uint64_t mask = uint64_t{1} << (bit % 64);
-      if (page.state != State::kAllocated || page.generation != pin.generations[taken] ||
-          page.writer || (word & mask) != 0) {
-        break;
-      }
-      word |= mask;
+      if (!Current(p, pin.generations[taken]) || pages_[p].writer || LayerWriter(layer, p)) break;
+      SetLayerWriter(layer, p, true);
       pin.held[taken] = HoldsRecords(layer, p);
     }
     if (taken == n) {
@@ -250,10 +239,7 @@ absl::StatusOr<PageTable::Pin> PageTable::PinList(std::span<const PageHandle> ha
       pin.frees = frees_;
       return pin;
     }
-    for (size_t i = 0; i < taken; ++i) {
-      const int64_t bit = layer * num_pages_ + pin.pages[i];
-      layer_writer_[bit / 64] &= ~(uint64_t{1} << (bit % 64));
-    }
+    for (size_t i = 0; i < taken; ++i) SetLayerWriter(layer, pin.pages[i], false);
   }
   KVF_RETURN_IF_ERROR(check());
   if (exclusive) {
@@ -283,10 +269,8 @@ absl::StatusOr<PageTable::Pin> PageTable::PinList(std::span<const PageHandle> ha
     } else {
       pin.held.resize(pin.pages.size());
       for (size_t i = 0; i < pin.pages.size(); ++i) {
-        const int64_t p = pin.pages[i];
-        const int64_t bit = layer * num_pages_ + p;
-        layer_writer_[bit / 64] |= uint64_t{1} << (bit % 64);
-        pin.held[i] = HoldsRecords(layer, p);
+        SetLayerWriter(layer, pin.pages[i], true);
+        pin.held[i] = HoldsRecords(layer, pin.pages[i]);
       }
       layer_writer_bits_ += static_cast<int64_t>(pin.pages.size());
     }
@@ -303,8 +287,7 @@ bool PageTable::Release(int64_t p, const Pin& pin) {
   } else if (pin.layer < 0) {
     pages_[p].writer = false;
   } else {
-    const int64_t bit = pin.layer * num_pages_ + p;
-    layer_writer_[bit / 64] &= ~(uint64_t{1} << (bit % 64));
+    SetLayerWriter(pin.layer, p, false);
     --layer_writer_bits_;
   }
   // No free since the pin: every pinned page is still allocated.
@@ -320,9 +303,8 @@ std::vector<int64_t> PageTable::Unpin(const Pin& pin, int written_layer,
   kvferry::MutexLock lock(&mu_);
   for (int64_t token : written_tokens) {
     const int64_t p = token / page_size_;
-    const Page& page = pages_[p];
     // Freed (and maybe reallocated) since the pin: the records are not the holder's.
-    if (page.state == State::kAllocated && pinned.at(p) == page.generation) {
+    if (Current(p, pinned.at(p))) {
       MarkWritten(written_layer, token);
     }
   }
@@ -350,8 +332,7 @@ std::vector<int64_t> PageTable::UnpinWrittenPages(const Pin& pin, std::span<cons
     const int64_t p = written_pages[i];
     if (unchanged && aligned) {
       MarkPageWritten(layers[i], p);  // still allocated, at the pinned generation
-    } else if (const uint64_t generation = aligned ? pin.generations[i] : pinned.at(p);
-               pages_[p].state == State::kAllocated && generation == pages_[p].generation) {
+    } else if (Current(p, aligned ? pin.generations[i] : pinned.at(p))) {
       MarkPageWritten(layers[i], p);
     }
     // The pin's own pages, in one pass with their marks.
@@ -375,8 +356,7 @@ std::vector<int64_t> PageTable::UnpinLayerPages(const Pin& pin,
       // and none waits for reclaim. Mark and let go in one pass.
       for (const int64_t p : written_pages) {
         MarkPageWritten(pin.layer, p);
-        const int64_t bit = pin.layer * num_pages_ + p;
-        layer_writer_[bit / 64] &= ~(uint64_t{1} << (bit % 64));
+        SetLayerWriter(pin.layer, p, false);
       }
       layer_writer_bits_ -= static_cast<int64_t>(written_pages.size());
       return {};

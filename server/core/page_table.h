@@ -162,6 +162,21 @@ class PageTable {
     return readers_[p] == 0 && !pages_[p].writer && !AnyLayerWriter(p);
   }
   int64_t Bit(int layer, int64_t token) const { return layer * num_tokens_ + token; }
+  // Page `p` is allocated at `generation` (a handle of it is current).
+  bool Current(int64_t p, uint64_t generation) const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    return pages_[p].state == State::kAllocated && pages_[p].generation == generation;
+  }
+  // Whether a writer of `layer` holds page `p`, and taking or letting go of that hold (the
+  // caller keeps layer_writer_bits_).
+  bool LayerWriter(int layer, int64_t p) const ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+    const int64_t bit = layer * num_pages_ + p;
+    return (layer_writer_[bit / 64] >> (bit % 64)) & 1;
+  }
+  void SetLayerWriter(int layer, int64_t p, bool held) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const int64_t bit = layer * num_pages_ + p;
+    const uint64_t mask = uint64_t{1} << (bit % 64);
+    layer_writer_[bit / 64] = held ? layer_writer_[bit / 64] | mask : layer_writer_[bit / 64] & ~mask;
+  }
 
   const std::string pool_name_;
   const int64_t num_pages_;
