@@ -3,9 +3,11 @@
 
 #include <httplib.h>
 
+#include <chrono>
 #include <optional>
 #include <sstream>
 #include <string>
+#include <thread>
 
 #include "daemon_harness.h"
 
@@ -33,6 +35,19 @@ inline std::optional<double> FindSample(const std::string& text, const std::stri
 // As FindSample, 0 when absent (counters and gauges not yet exported).
 inline double Sample(const std::string& text, const std::string& series) {
   return FindSample(text, series).value_or(0);
+}
+
+// The daemon's staged write bytes once they fell to zero, or after 10 s what they were (-1:
+// the endpoint did not answer with the series).
+inline double StagedBytesSettled(const Daemon& d) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  double staged = -1;
+  while (std::chrono::steady_clock::now() < deadline) {
+    staged = FindSample(Metrics(d), "kvferry_budget_used{resource=\"staged_write_bytes\"}").value_or(-1);
+    if (staged == 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return staged;
 }
 
 }  // namespace kvferry::testing

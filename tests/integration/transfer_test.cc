@@ -25,20 +25,6 @@ std::string AsBytes(const std::vector<uint8_t>& v) { return std::string(v.begin(
 
 std::string Address(const Daemon& d) { return "127.0.0.1:" + std::to_string(d.grpc_port()); }
 
-// The daemon's /metrics text.
-// The daemon's staged write bytes once they fell to zero, or after 10 s what they were.
-double StagedBytesSettled(const Daemon& d) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  double staged = -1;
-  while (std::chrono::steady_clock::now() < deadline) {
-    staged = testing::FindSample(testing::Metrics(d), "kvferry_budget_used{resource=\"staged_write_bytes\"}")
-                 .value_or(-1);
-    if (staged == 0) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  return staged;
-}
-
 struct Outcome {
   grpc::Status status;
   std::string reason;
@@ -478,7 +464,7 @@ TEST_P(TransferTest, APeerKilledMidTransferFailsTheCallWithinTheBound) {
       EXPECT_EQ(ReadAll(b, "dst", {dst.begin(), dst.begin() + 8}),
                 std::string(8 * 3 * 64 * 528, '\0'));
     }
-    EXPECT_EQ(StagedBytesSettled(survivor), 0);
+    EXPECT_EQ(testing::StagedBytesSettled(survivor), 0);
     EXPECT_TRUE(survivor.Alive());
   }
 }
@@ -599,7 +585,7 @@ TEST(PeerHostileTest, MalformedOrAbandonedOffersAreRefusedAndLeaveNothingBehind)
   EXPECT_EQ(abandoned.status.error_code(), grpc::StatusCode::UNAVAILABLE);
   EXPECT_EQ(abandoned.reason, "PEER_UNAVAILABLE");
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 10);
-  EXPECT_EQ(StagedBytesSettled(d), 0);
+  EXPECT_EQ(testing::StagedBytesSettled(d), 0);
   EXPECT_EQ(ReadAll(d, "dst", dst), std::string(2 * page_bytes, '\0'));
   // A caller that opens the peer stream and says nothing holds one stream until the idle
   // timeout ends it.
@@ -793,7 +779,7 @@ TEST(PeerHostileTest, APullsSenderThatGivesUpIsHeardWithItsReasonAtOnce) {
       << r.status.error_message();
   EXPECT_LT(r.seconds, 10.0);  // not the 60 s idle time
   // Nothing committed, the staging released, the daemon serving.
-  EXPECT_EQ(StagedBytesSettled(d), 0);
+  EXPECT_EQ(testing::StagedBytesSettled(d), 0);
   EXPECT_EQ(ReadAll(d, "dst", dst), std::string(4 * PageBytes(Layout::kV41, 16), '\0'));
   EXPECT_TRUE(d.Alive());
 }
@@ -908,9 +894,9 @@ TEST(TransferFrozenPeerTest, ADestinationThatStopsAnsweringFailsTheCallWithinThe
     EXPECT_EQ(r.reason, "PEER_UNAVAILABLE");
     EXPECT_LT(r.seconds, 10.0);
     EXPECT_EQ(ReadAll(a, "src", first), src_before);
-    EXPECT_EQ(StagedBytesSettled(a), 0);
+    EXPECT_EQ(testing::StagedBytesSettled(a), 0);
     // Woken, the destination finds the transfer ended: nothing committed, staging back.
-    EXPECT_EQ(StagedBytesSettled(b), 0);
+    EXPECT_EQ(testing::StagedBytesSettled(b), 0);
     // Its receives that matched end once the woken peer's sends do, or UCX's keepalive
     // (twice per peer timeout) gives the sender up; then what landed is zeroed and the pages
     // released.
@@ -943,7 +929,7 @@ TEST(TransferFrozenPeerTest, ASourceThatStopsAnsweringFailsThePullWithinTheBound
   // again, or UCX's keepalive gives it up).
   const std::vector<v1::PageHandle> dst_first(pools.dst.begin(), pools.dst.begin() + 8);
   EXPECT_TRUE(ReadUntilZero(b, "dst", dst_first, 8) == std::string(8 * 3 * 64 * 528, '\0'));
-  EXPECT_EQ(StagedBytesSettled(b), 0);
+  EXPECT_EQ(testing::StagedBytesSettled(b), 0);
   // Woken, the source serves the same pages whole.
   testing::CreatePool(b, "again", Layout::kV41, 64, kFrozenPeerPages, 3);
   const auto again = AllPages(b, "again", kFrozenPeerPages);
@@ -978,7 +964,7 @@ TEST(TransferOffTest, TransportsThatCannotReportADeadPeerAreRefusedWithAReason) 
   EXPECT_NE(r.status.error_message().find("cma or tcp"), std::string::npos)
       << r.status.error_message();
   // b dropped what it staged for the refused transfer, and both serve on.
-  EXPECT_EQ(StagedBytesSettled(b), 0);
+  EXPECT_EQ(testing::StagedBytesSettled(b), 0);
   EXPECT_EQ(ReadAll(b, "dst", dst), std::string(PageBytes(Layout::kV41, 16), '\0'));
 }
 
