@@ -190,6 +190,7 @@ int main(int argc, char** argv) {
       }
       msg.set_key(KeyOf(i));
       msg.set_data(record);
+      msg.set_finish_write(i + 1 == std::min(blocks, first + 8192));
       writer->Write(msg);
     }
     writer->WritesDone();

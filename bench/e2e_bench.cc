@@ -167,6 +167,7 @@ int Main(int argc, char** argv) {
       msg.set_rows(reinterpret_cast<const char*>(rows.data()), n * kBf16RowBytes);
       work[s].messages.push_back(std::move(msg));
     }
+    work[s].messages.back().set_finish_write(true);  // the end of each write
   }
 
   std::printf("device %s, V41 pool, page size %d, %lld tokens per stream per call, %d calls "

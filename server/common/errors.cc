@@ -26,7 +26,7 @@ constexpr const char* kNames[kNumErrorReasons] = {
     "NAMESPACE_MISMATCH", "LEASE_EXPIRED", "BLOCK_INCOMPLETE", "CACHE_FULL", "EVENTS_LOST",
     "PUBLISHER_CHANGED", "NAMESPACE_DELETED", "NOT_A_MEMBER",
     "PEER_UNAVAILABLE", "TRANSPORT_UNAVAILABLE", "WORKER_NOT_ACCESSIBLE", "PAGES_BUSY",
-    nullptr, nullptr, nullptr, nullptr,  // 56-59
+    "WRITE_NOT_FINISHED", nullptr, nullptr, nullptr,  // 57-59: unused
     "DAEMON_BUDGET_EXHAUSTED", "STREAM_IDLE_TIMEOUT", "STREAM_TOO_LONG",
 };
 

@@ -69,7 +69,8 @@ enum class ErrorReason {
   kTransportUnavailable,
   kWorkerNotAccessible,
   kPagesBusy,
-  // 56-59: unused.
+  kWriteNotFinished,
+  // 57-59: unused.
   kDaemonBudgetExhausted = 60,
   kStreamIdleTimeout = 61,
   kStreamTooLong = 62,

@@ -60,7 +60,8 @@ absl::Status TargetChanged() {
 }
 
 // The loop of the client-streaming puts: the first message names the target and begins the
-// put; every message adds its piece; a stream that ends cleanly commits. Any error, or the
+// put; every message adds its piece; a stream whose last message sets finish_write commits.
+// Any error, a stream ended without that mark, or the
 // client going away, drops the put (its pages are freed, nothing was visible).
 template <typename Request>
 absl::StatusOr<BlockPut::Result> StreamPut(
@@ -72,12 +73,14 @@ absl::StatusOr<BlockPut::Result> StreamPut(
   Request first, msg;
   std::unique_ptr<BlockPut> put;
   StreamReader<Request> stream(reader);
+  WriteEnd end;
   bool undecodable = false;
   while (stream.Read(put ? &msg : &first, &undecodable)) {
     if (context->IsCancelled()) return ClientGone(context);
     watch.Touch();
     const Request& m = put ? msg : first;
     *received += m.ByteSizeLong();
+    KVF_RETURN_IF_ERROR(end.Next(m.finish_write()));
     if (!put) {
       KVF_ASSIGN_OR_RETURN(put, begin(first));
     } else {
@@ -99,6 +102,7 @@ absl::StatusOr<BlockPut::Result> StreamPut(
     return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kEmptyWrite,
                  "empty put: no messages");
   }
+  KVF_RETURN_IF_ERROR(end.AtEnd());
   return put->Commit();
 }
 
@@ -190,6 +194,9 @@ grpc::Status KvCacheService::PutRows(ServerContext* context,
             },
             [](const v1::PutRowsRequest&, const v1::PutRowsRequest&) { return absl::OkStatus(); },
             [](BlockPut& put, const v1::PutRowsRequest& m) {
+              if (m.finish_write() && m.key().empty() && m.rows().empty()) {
+                return absl::OkStatus();  // the mark alone
+              }
               return put.AddRows(m.key(), m.layer(), m.first_slot(), Bytes(m.rows()));
             },
             &received, watch));
@@ -222,6 +229,9 @@ grpc::Status KvCacheService::PutPages(ServerContext* context,
               return absl::OkStatus();
             },
             [](BlockPut& put, const v1::PutPagesRequest& m) {
+              if (m.finish_write() && m.key().empty() && m.data().empty()) {
+                return absl::OkStatus();  // the mark alone
+              }
               return put.AddPageBytes(m.key(), m.layer(), m.offset(), Bytes(m.data()));
             },
             &received, watch));

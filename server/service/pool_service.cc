@@ -39,12 +39,14 @@ absl::StatusOr<int64_t> StreamWrite(
   Request first, msg;
   std::unique_ptr<StagedWrite> write;
   StreamReader<Request> stream(reader);
+  WriteEnd end;
   bool undecodable = false;
   while (stream.Read(write ? &msg : &first, &undecodable)) {
     watch.Touch();
     if (context->IsCancelled()) return ClientGone(context);
     const Request& m = write ? msg : first;
     *received += m.ByteSizeLong();
+    KVF_RETURN_IF_ERROR(end.Next(m.finish_write()));
     if (!write) {
       KVF_ASSIGN_OR_RETURN(std::shared_ptr<Pool> pool, pools->Get(tenant, first.pool()));
       KVF_ASSIGN_OR_RETURN(write, begin(first, std::move(pool)));
@@ -67,6 +69,7 @@ absl::StatusOr<int64_t> StreamWrite(
     return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kEmptyWrite,
                  "empty write: no messages");
   }
+  KVF_RETURN_IF_ERROR(end.AtEnd());
   return write->Commit();
 }
 
@@ -261,6 +264,9 @@ grpc::Status KvFerryService::WriteTokens(ServerContext* context,
               return absl::OkStatus();
             },
             [](StagedWrite& write, const v1::WriteTokensRequest& msg) {
+              if (msg.finish_write() && msg.locations_size() == 0 && msg.rows().empty()) {
+                return absl::OkStatus();  // the mark alone
+              }
               return write.AddRows(FromProto(msg.locations()), Bytes(msg.rows()));
             },
             &received, watch));
@@ -293,6 +299,9 @@ grpc::Status KvFerryService::WritePages(ServerContext* context,
               return absl::OkStatus();
             },
             [](StagedWrite& write, const v1::WritePagesRequest& msg) {
+              if (msg.finish_write() && !msg.has_page() && msg.data().empty()) {
+                return absl::OkStatus();  // the mark alone
+              }
               return write.AddPageBytes(FromProto(msg.page()), msg.layer(), msg.offset(),
                                         Bytes(msg.data()));
             },

@@ -67,6 +67,34 @@ class StreamReader {
   uint64_t mark_;
 };
 
+// The end of a client-streaming write. gRPC's Read also answers false when the stream was
+// cancelled (the client's deadline, a reset, a lost connection), and IsCancelled() may learn
+// of that only a moment later: a write cut off after some of its messages would then look
+// complete. So the client marks its last message (finish_write), and a write is stored
+// only when the stream's last message carried the mark.
+class WriteEnd {
+ public:
+  // Each message, in order: refused after the one that finished the write.
+  absl::Status Next(bool finish_write) {
+    if (finished_) {
+      return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                   "a message came after the one that set finish_write; nothing was stored");
+    }
+    finished_ = finish_write;
+    return absl::OkStatus();
+  }
+  // At the end of the stream: WRITE_NOT_FINISHED unless the last message finished it.
+  absl::Status AtEnd() const {
+    if (finished_) return absl::OkStatus();
+    return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kWriteNotFinished,
+                 "the stream ended without a message that sets finish_write, as a stream the "
+                 "client cancelled or lost does; nothing was stored");
+  }
+
+ private:
+  bool finished_ = false;
+};
+
 // Sends a reader's batches as messages of at most chunk_bytes; `fill` sets a message's
 // position fields from the byte offset of its data; `sent` (optional) runs after each
 // message went out (the stream watchdog's sign of progress).

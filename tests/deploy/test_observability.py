@@ -191,7 +191,8 @@ class Stack:
 
             def put(key):
                 first = cache_pb2.PutRowsRequest(namespace=ns.name, digest=ns.digest,
-                                                 pool="cache", key=key, layer=0, rows=rows)
+                                                 pool="cache", key=key, layer=0, rows=rows,
+                                                 finish_write=True)
                 return cache.PutRows(iter([first]), timeout=30)
             for key in (b"k1", b"k2", b"k3"):
                 assert put(key).blocks_stored == 1

@@ -231,6 +231,10 @@ class Session {
     const int messages = in_.ConsumeIntegralInRange<int>(1, 3);
     const uint32_t layer = in_.ConsumeIntegralInRange<uint32_t>(0, mirror_->num_layers());
     std::vector<v1::WriteTokensRequest> sent;
+    // finish_write on the last message, now and then on another or on none.
+    const int finish_at = in_.ConsumeIntegralInRange<int>(0, 15) == 0
+                              ? in_.ConsumeIntegralInRange<int>(0, messages)
+                              : messages - 1;
     grpc::ClientContext ctx;
     v1::WriteResponse resp;
     auto writer = stub_.WriteTokens(&ctx, &resp);
@@ -251,11 +255,15 @@ class Session {
         loc->set_slot(Slot());
       }
       *msg.mutable_rows() = Rows(n);
+      msg.set_finish_write(m == finish_at);
       sent.push_back(msg);
       if (!writer->Write(msg)) break;
     }
     writer->WritesDone();
     if (!writer->Finish().ok()) return;
+    if (finish_at + 1 != static_cast<int>(sent.size())) {
+      Fail("WriteTokens accepted a stream whose last message did not finish it");
+    }
     // Accepted: every message's rows, in order, must be what the reference stores.
     const auto& g = mirror_->geometry();
     int64_t stored = 0;
@@ -292,6 +300,10 @@ class Session {
     const int64_t page_bytes = mirror_->page_bytes();
     struct Piece { v1::PageHandle page; uint32_t layer; std::string data; };
     std::vector<Piece> pieces;
+    // finish_write on the last message, now and then on the first or on none.
+    const int finish_mode = in_.ConsumeIntegralInRange<int>(0, 15) == 0 ? in_.ConsumeIntegralInRange<int>(1, 2) : 0;
+    int finishing = 0, sent = 0;  // messages that set finish_write; messages written
+    bool last_finished = false;
     grpc::ClientContext ctx;
     v1::WriteResponse resp;
     auto writer = stub_.WritePages(&ctx, &resp);
@@ -319,12 +331,20 @@ class Session {
         msg.set_data(data);
         piece.data += data;
         offset += len;
+        const bool last = p + 1 == pages && k + 1 == parts;
+        msg.set_finish_write(finish_mode == 0 ? last : finish_mode == 2 && sent == 0);
+        finishing += msg.finish_write() ? 1 : 0;
+        last_finished = msg.finish_write();
+        ++sent;
         if (!writer->Write(msg)) break;
       }
       pieces.push_back(std::move(piece));
     }
     writer->WritesDone();
     if (!writer->Finish().ok()) return;
+    if (finishing != 1 || !last_finished) {
+      Fail("WritePages accepted a stream whose last message alone did not finish it");
+    }
     for (const auto& piece : pieces) {
       if (!IsLive(piece.page)) Fail("WritePages accepted a handle that is not live");
       if (static_cast<int64_t>(piece.data.size()) != page_bytes) Fail("WritePages accepted a partial page");

@@ -64,9 +64,10 @@ class Cache {
     uint32_t first_slot = 0;
     std::vector<uint16_t> rows;
   };
+  // `finish_at`: the message that sets finish_write (-1: the last; pieces.size(): none).
   CallResult PutRows(const v1::Namespace& ns, const std::string& pool,
                      const std::vector<RowsPiece>& pieces, v1::PutResponse* out = nullptr,
-                     uint64_t digest_override = 0) {
+                     uint64_t digest_override = 0, int finish_at = -1) {
     grpc::ClientContext ctx;
     v1::PutResponse resp;
     auto writer = stub_->PutRows(&ctx, &resp);
@@ -82,6 +83,7 @@ class Cache {
       msg.set_first_slot(pieces[i].first_slot);
       msg.set_rows(reinterpret_cast<const char*>(pieces[i].rows.data()),
                    pieces[i].rows.size() * sizeof(uint16_t));
+      msg.set_finish_write(static_cast<int>(i) == (finish_at < 0 ? pieces.size() - 1 : finish_at));
       if (!writer->Write(msg)) break;
     }
     writer->WritesDone();
@@ -109,7 +111,8 @@ class Cache {
     std::string data;
   };
   CallResult PutPages(const v1::Namespace& ns, const std::string& pool, v1::Layout layout,
-                      const std::vector<PagePiece>& pieces, v1::PutResponse* out = nullptr) {
+                      const std::vector<PagePiece>& pieces, v1::PutResponse* out = nullptr,
+                      int finish_at = -1) {
     grpc::ClientContext ctx;
     v1::PutResponse resp;
     auto writer = stub_->PutPages(&ctx, &resp);
@@ -125,6 +128,7 @@ class Cache {
       msg.set_layer(pieces[i].layer);
       msg.set_offset(pieces[i].offset);
       msg.set_data(pieces[i].data);
+      msg.set_finish_write(static_cast<int>(i) == (finish_at < 0 ? pieces.size() - 1 : finish_at));
       if (!writer->Write(msg)) break;
     }
     writer->WritesDone();

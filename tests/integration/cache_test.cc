@@ -141,6 +141,7 @@ TEST(CacheGoldenTest, PutLookupLoadIsByteExactWithTheGoldens) {
           *msg.mutable_page() = oracle_pages[p];
           msg.set_data(std::string(golden_pool.begin() + p * page_bytes,
                                    golden_pool.begin() + (p + 1) * page_bytes));
+          msg.set_finish_write(p + 1 == c.num_pages);
           ASSERT_TRUE(writer->Write(msg));
         }
         writer->WritesDone();
@@ -263,6 +264,7 @@ TEST(CachePrefixTest, LookupsSeePendingBlocksWithoutWaitingForTheWriter) {
     }
     msg.set_key(keys[i]);
     msg.set_rows(reinterpret_cast<const char*>(rows.data() + i * 16 * kHeadDim), 16 * kBf16RowBytes);
+    msg.set_finish_write(i == 2);
     ASSERT_TRUE(writer->Write(msg));
   }
   // The daemon reserves a block when its first piece arrives: wait until both are pending.
@@ -595,6 +597,19 @@ TEST(CacheErrorTest, ARejectedPutStoresNothingAndGivesItsPagesBack) {
   r = cache.PutPages(ns, "p", v1::LAYOUT_V4, {{"a", 0, 0, std::string(100, 'x')}});
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_EQ(r.reason, "LAYOUT_MISMATCH");
+  // Whole blocks in streams that end without finish_write, as a stream the client cancelled
+  // may look to the daemon, or that go on after it.
+  const std::vector<Cache::RowsPiece> whole = {{"a", 0, 0, rows}, {"a", 1, 0, rows}};
+  r = cache.PutRows(ns, "p", whole, nullptr, 0, /*finish_at=*/2);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(r.reason, "WRITE_NOT_FINISHED");
+  r = cache.PutRows(ns, "p", whole, nullptr, 0, /*finish_at=*/0);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(r.reason, "INVALID_REQUEST");
+  const std::string page(PageBytes(Layout::kV41, 16), '\0');
+  r = cache.PutPages(ns, "p", v1::LAYOUT_V41, {{"a", 0, 0, page}, {"a", 1, 0, page}}, nullptr,
+                     /*finish_at=*/2);
+  EXPECT_EQ(r.reason, "WRITE_NOT_FINISHED");
   EXPECT_EQ(cache.Hits(ns, {"a"}), 0);
   EXPECT_EQ(pages_used(), 0u);
   EXPECT_TRUE(cache.Snapshot().blocks.empty());

@@ -388,6 +388,7 @@ inline grpc::Status WriteTokens(Daemon& d, const std::string& pool, int layer,
     }
     for (size_t i = 0; i < n; ++i) *msg.add_locations() = locs[first + i];
     msg.set_rows(reinterpret_cast<const char*>(rows.data() + first * kHeadDim), n * kBf16RowBytes);
+    msg.set_finish_write(first + n == locs.size());
     if (!writer->Write(msg)) break;
   }
   writer->WritesDone();

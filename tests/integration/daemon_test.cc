@@ -177,6 +177,60 @@ TEST_F(DaemonInvalidTest, UndecodableLaterMessageFailsTheWriteAndLeavesEarlierMe
   ExpectUnchanged();
 }
 
+// gRPC's Read also ends a stream that the client cancelled or lost, and IsCancelled() may
+// learn of that a moment later. So a write is stored only when its last message sets
+// finish_write: half-closing without it is how a cut-off stream can look to the daemon.
+// A message after the finishing one is refused too. Both WriteTokens and WritePages.
+TEST_F(DaemonInvalidTest, AWriteItsClientDidNotFinishStoresNothing) {
+  const auto rows = testing::RandomRows(2, 4);
+  const std::string page(PageBytes(Layout::kV41, 16), '\x5a');
+  for (const int finish_at : {2, 0}) {  // none of the two messages; the first
+    const std::string expected = finish_at == 2 ? "WRITE_NOT_FINISHED" : "INVALID_REQUEST";
+    {
+      grpc::ClientContext ctx;
+      v1::WriteResponse resp;
+      auto writer = d_.stub().WriteTokens(&ctx, &resp);
+      for (int m = 0; m < 2; ++m) {
+        v1::WriteTokensRequest msg;
+        if (m == 0) {
+          msg.set_pool("p");
+          msg.set_layer(1);
+        }
+        *msg.add_locations() = Location(pages_[0], m);  // overwrites known rows
+        msg.set_rows(reinterpret_cast<const char*>(rows.data() + m * kHeadDim), kBf16RowBytes);
+        msg.set_finish_write(m == finish_at);
+        ASSERT_TRUE(writer->Write(msg));
+      }
+      writer->WritesDone();
+      const grpc::Status s = writer->Finish();
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+      EXPECT_EQ(testing::ReasonOf(ctx), expected) << s.error_message();
+    }
+    {
+      grpc::ClientContext ctx;
+      v1::WriteResponse resp;
+      auto writer = d_.stub().WritePages(&ctx, &resp);
+      for (int m = 0; m < 2; ++m) {
+        v1::WritePagesRequest msg;
+        if (m == 0) {
+          msg.set_pool("p");
+          msg.set_layout(v1::LAYOUT_V41);
+        }
+        *msg.mutable_page() = pages_[m];  // over the known rows of pages 0 and 1
+        msg.set_layer(1);
+        msg.set_data(page);
+        msg.set_finish_write(m == finish_at);
+        ASSERT_TRUE(writer->Write(msg));
+      }
+      writer->WritesDone();
+      const grpc::Status s = writer->Finish();
+      EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+      EXPECT_EQ(testing::ReasonOf(ctx), expected) << s.error_message();
+    }
+  }
+  ExpectUnchanged();
+}
+
 TEST_F(DaemonInvalidTest, WrongRowLengthIsInvalidArgument) {
   grpc::ClientContext ctx;
   v1::WriteResponse resp;

@@ -351,7 +351,9 @@ TEST(StreamTimeTest, MessagesWithoutRowsAfterTheFirstAreInvalidArgument) {
   grpc::ClientContext ok_ctx;
   auto ok = d.stub().WriteTokens(&ok_ctx, &resp);
   ASSERT_TRUE(ok->Write(first));
-  ASSERT_TRUE(ok->Write(RowsMessage("", {Location(pages[0], 0)}, rows)));
+  v1::WriteTokensRequest last = RowsMessage("", {Location(pages[0], 0)}, rows);
+  last.set_finish_write(true);
+  ASSERT_TRUE(ok->Write(last));
   ok->WritesDone();
   EXPECT_TRUE(ok->Finish().ok());
   EXPECT_EQ(resp.tokens_written(), 1u);

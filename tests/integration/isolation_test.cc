@@ -210,6 +210,7 @@ TEST(StaleWriteTest, WriteNamingAPageAtTwoGenerationsFailsWholeAndChangesNothing
   v1::WriteTokensRequest msg2;
   *msg2.add_locations() = Location(second[0], 1);
   msg2.set_rows(reinterpret_cast<const char*>(rows.data() + 512), 1024);
+  msg2.set_finish_write(true);
   // May report false: the daemon can refuse the write (and end the call) before the client
   // learns that this message went out.
   writer->Write(msg2);
@@ -275,6 +276,7 @@ TEST(StreamTargetTest, LaterMessageNamingAnotherLayerOrPoolFailsAndChangesNothin
     }
     *m2.add_locations() = Location(pages[0], 1);
     m2.set_rows(reinterpret_cast<const char*>(rows.data() + 512), 1024);
+    m2.set_finish_write(true);
     writer->Write(m1);
     writer->Write(m2);
     writer->WritesDone();
@@ -292,6 +294,7 @@ TEST(StreamTargetTest, LaterMessageNamingAnotherLayerOrPoolFailsAndChangesNothin
     m.set_layer(1);
     *m.add_locations() = Location(pages[0], i);
     m.set_rows(reinterpret_cast<const char*>(rows.data() + 512 * i), 1024);
+    m.set_finish_write(i == 1);
     writer->Write(m);
   }
   writer->WritesDone();
@@ -385,6 +388,7 @@ TEST(DeleteDuringWriteTest, WriteInFlightWhenItsPoolIsDeletedFailsAndStoresNothi
     v1::WriteTokensRequest m2;
     *m2.add_locations() = Location(pages[0], 1);
     m2.set_rows(reinterpret_cast<const char*>(rows.data() + 512), 1024);
+    m2.set_finish_write(true);
     writer->Write(m2);
     writer->WritesDone();
     const grpc::Status s = writer->Finish();

@@ -215,6 +215,7 @@ TEST(TlsTest, RotatedCertificateServesNewConnectionsWhileAnOpenStreamSurvives) {
   v1::WriteTokensRequest second;
   *second.add_locations() = Location(pages[0], 1);
   second.set_rows(reinterpret_cast<const char*>(rows.data() + kHeadDim), kBf16RowBytes);
+  second.set_finish_write(true);
   ASSERT_TRUE(writer->Write(second));
   writer->WritesDone();
   const grpc::Status s = writer->Finish();
@@ -730,7 +731,9 @@ TEST(QuotaTest, StreamsAndStagedWriteBytesRunOutAndComeBack) {
   grpc::ClientContext open_ctx;
   v1::WriteResponse open_resp;
   auto open = d.stub().WriteTokens(&open_ctx, &open_resp);
-  ASSERT_TRUE(open->Write(FirstRow("p", locs[0], rows.data())));
+  v1::WriteTokensRequest only = FirstRow("p", locs[0], rows.data());
+  only.set_finish_write(true);  // the whole write; the stream stays open until WritesDone
+  ASSERT_TRUE(open->Write(only));
   // Reads start once the write's handler holds the stream: a read polled before it would
   // take the one stream first and the write would be the call refused.
   ASSERT_TRUE(Eventually([&] {

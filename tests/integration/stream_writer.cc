@@ -48,6 +48,7 @@ int main(int argc, char** argv) {
     const size_t n = std::min(where.size() - at, static_cast<size_t>(per_message));
     for (size_t i = 0; i < n; ++i) *msg.add_locations() = where[at + i];
     msg.set_rows(reinterpret_cast<const char*>(rows.data() + (at * 512)), n * 1024);
+    msg.set_finish_write(at + n == where.size());
     if (!writer->Write(msg)) break;
     if (at == 0) {
       std::printf("started\n");

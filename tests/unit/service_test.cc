@@ -98,6 +98,7 @@ class ServiceTest : public ::testing::Test {
     for (auto& l : where) *msg.add_locations() = l;
     const auto rows = testing::RandomRows(static_cast<int64_t>(where.size()), seed);
     msg.set_rows(reinterpret_cast<const char*>(rows.data()), rows.size() * 2);
+    msg.set_finish_write(true);  // the whole write
     return msg;
   }
 

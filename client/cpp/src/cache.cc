@@ -117,6 +117,11 @@ absl::StatusOr<PutResult> Client::PutRows(const NamespaceRef& ns, const std::str
         open = writer->Write(msg);
       }
     }
+    if (open && !first) {  // the end of the put (an empty one is refused EMPTY_WRITE)
+      v1::PutRowsRequest msg;
+      msg.set_finish_write(true);
+      writer->Write(msg);
+    }
     writer->WritesDone();
     KVF_CLIENT_RETURN(FromGrpc(writer->Finish(), ctx));
     result = {resp.blocks_stored(), resp.blocks_already_held(), resp.bytes_received()};
@@ -153,6 +158,11 @@ absl::StatusOr<PutResult> Client::PutPages(const NamespaceRef& ns, const std::st
         msg.set_data(reinterpret_cast<const char*>(b.data.data() + at), n);
         open = writer->Write(msg);
       }
+    }
+    if (open && !first) {  // the end of the put (an empty one is refused EMPTY_WRITE)
+      v1::PutPagesRequest msg;
+      msg.set_finish_write(true);
+      writer->Write(msg);
     }
     writer->WritesDone();
     KVF_CLIENT_RETURN(FromGrpc(writer->Finish(), ctx));

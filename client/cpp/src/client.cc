@@ -180,8 +180,10 @@ absl::StatusOr<WriteResult> Client::WriteTokens(const std::string& pool, uint32_
         l->set_slot(locations[i].slot);
       }
       msg.set_rows(reinterpret_cast<const char*>(rows.data() + first * kRowValues), n * kRowBytes);
-      if (!writer->Write(msg)) break;  // the server ended the call: Finish says why
       first += n;
+      // The last message says so: the daemon stores only a write whose end it saw.
+      msg.set_finish_write(first == locations.size());
+      if (!writer->Write(msg)) break;  // the server ended the call: Finish says why
     } while (first < locations.size());
     writer->WritesDone();
     KVF_CLIENT_RETURN(FromGrpc(writer->Finish(), ctx));
@@ -220,10 +222,13 @@ absl::StatusOr<WriteResult> Client::WritePages(const std::string& pool, Layout l
         if (n == 0) break;
       }
     }
-    if (first && open) {  // no pages: one message that names the pool
+    if (open) {  // the end of the write: a message that only sets finish_write
       v1::WritePagesRequest msg;
-      msg.set_pool(pool);
-      msg.set_layout(ToProto(layout));
+      if (first) {  // no pages: the message also names the pool
+        msg.set_pool(pool);
+        msg.set_layout(ToProto(layout));
+      }
+      msg.set_finish_write(true);
       writer->Write(msg);
     }
     writer->WritesDone();

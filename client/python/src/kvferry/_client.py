@@ -364,6 +364,8 @@ class Client:
                   _wire.varint_field(_number(request, "layer"), layer))
         locations_field = _number(request, "locations")
         rows_field = _number(request, "rows")
+        # The last message says so: the daemon stores only a write whose end it saw.
+        finish = _wire.varint_field(_number(request, "finish_write"), 1)
         per_message = self.chunk_bytes // (ROW_BYTES + _LOCATION_BYTES_MAX)
         flat = rows.reshape(-1).view(np.uint8)
 
@@ -373,6 +375,7 @@ class Client:
                 end = min(first + per_message, len(page_ids))
                 yield b"".join([
                     header if first == 0 else b"",
+                    finish if end >= len(page_ids) else b"",
                     _wire.token_locations(locations_field, page_ids[first:end],
                                           generations[first:end], slots[first:end]),
                     _wire.bytes_header(rows_field, (end - first) * ROW_BYTES),
@@ -428,6 +431,7 @@ class Client:
                             _wire.bytes_header(data_field, size),
                             memoryview(flat[start:start + size])])
                         start += size
+            yield _wire.varint_field(_number(request, "finish_write"), 1)  # the write's end
 
         with translated():
             return self._write_pages(messages(), timeout=deadline.left())
@@ -562,6 +566,8 @@ class Client:
                         message.namespace = namespace.name
                         message.digest = namespace.digest
                         message.pool = pool
+                    # The last message says so: the daemon stores only a put whose end it saw.
+                    message.finish_write = i == len(keys) - 1 and layer == layers - 1
                     yield message
 
         with translated():
