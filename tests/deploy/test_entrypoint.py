@@ -18,7 +18,7 @@ CLI = os.environ.get("KVFERRY_CLI", "")
 ROOT = os.path.dirname(DEPLOY)
 ENTRYPOINT = os.path.join(DEPLOY, "container", "entrypoint.sh")
 SCRIPTS = [ENTRYPOINT, os.path.join(DEPLOY, "container", "runtime-packages.sh"),
-           os.path.join(DEPLOY, "install-deps.sh")]
+           os.path.join(DEPLOY, "install-deps.sh"), os.path.join(DEPLOY, "ucx.sh")]
 
 
 TLS = ["--tls_cert=/etc/kvferry/tls/server.pem", "--tls_key=/etc/kvferry/tls/server.key"]
