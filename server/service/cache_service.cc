@@ -61,8 +61,8 @@ absl::Status TargetChanged() {
 
 // The loop of the client-streaming puts: the first message names the target and begins the
 // put; every message adds its piece; a stream whose last message sets finish_write commits.
-// Any error, a stream ended without that mark, or the
-// client going away, drops the put (its pages are freed, nothing was visible).
+// Any error, a stream ended without that mark, or the client going away drops the put (its
+// pages are freed, nothing was visible).
 template <typename Request>
 absl::StatusOr<BlockPut::Result> StreamPut(
     ServerContext* context, grpc::ServerReader<Request>* reader,
