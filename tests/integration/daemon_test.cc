@@ -184,34 +184,38 @@ TEST_F(DaemonInvalidTest, UndecodableLaterMessageFailsTheWriteAndLeavesEarlierMe
 TEST_F(DaemonInvalidTest, AWriteItsClientDidNotFinishStoresNothing) {
   const auto rows = testing::RandomRows(2, 4);
   const std::string page(PageBytes(Layout::kV41, 16), '\x5a');
+  // Two messages of one write, `fill` making each; finish_write on message `finish_at`.
+  auto refused = [&]<typename Request>(grpc::ClientContext& ctx,
+                                       std::unique_ptr<grpc::ClientWriter<Request>> writer,
+                                       auto fill, int finish_at, const std::string& expected) {
+    for (int m = 0; m < 2; ++m) {
+      Request msg;
+      fill(m, msg);
+      msg.set_finish_write(m == finish_at);
+      ASSERT_TRUE(writer->Write(msg));
+    }
+    writer->WritesDone();
+    const grpc::Status s = writer->Finish();
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+    EXPECT_EQ(testing::ReasonOf(ctx), expected) << s.error_message();
+  };
   for (const int finish_at : {2, 0}) {  // none of the two messages; the first
     const std::string expected = finish_at == 2 ? "WRITE_NOT_FINISHED" : "INVALID_REQUEST";
+    v1::WriteResponse resp;
     {
       grpc::ClientContext ctx;
-      v1::WriteResponse resp;
-      auto writer = d_.stub().WriteTokens(&ctx, &resp);
-      for (int m = 0; m < 2; ++m) {
-        v1::WriteTokensRequest msg;
+      refused(ctx, d_.stub().WriteTokens(&ctx, &resp), [&](int m, v1::WriteTokensRequest& msg) {
         if (m == 0) {
           msg.set_pool("p");
           msg.set_layer(1);
         }
         *msg.add_locations() = Location(pages_[0], m);  // overwrites known rows
         msg.set_rows(reinterpret_cast<const char*>(rows.data() + m * kHeadDim), kBf16RowBytes);
-        msg.set_finish_write(m == finish_at);
-        ASSERT_TRUE(writer->Write(msg));
-      }
-      writer->WritesDone();
-      const grpc::Status s = writer->Finish();
-      EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
-      EXPECT_EQ(testing::ReasonOf(ctx), expected) << s.error_message();
+      }, finish_at, expected);
     }
     {
       grpc::ClientContext ctx;
-      v1::WriteResponse resp;
-      auto writer = d_.stub().WritePages(&ctx, &resp);
-      for (int m = 0; m < 2; ++m) {
-        v1::WritePagesRequest msg;
+      refused(ctx, d_.stub().WritePages(&ctx, &resp), [&](int m, v1::WritePagesRequest& msg) {
         if (m == 0) {
           msg.set_pool("p");
           msg.set_layout(v1::LAYOUT_V41);
@@ -219,13 +223,7 @@ TEST_F(DaemonInvalidTest, AWriteItsClientDidNotFinishStoresNothing) {
         *msg.mutable_page() = pages_[m];  // over the known rows of pages 0 and 1
         msg.set_layer(1);
         msg.set_data(page);
-        msg.set_finish_write(m == finish_at);
-        ASSERT_TRUE(writer->Write(msg));
-      }
-      writer->WritesDone();
-      const grpc::Status s = writer->Finish();
-      EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
-      EXPECT_EQ(testing::ReasonOf(ctx), expected) << s.error_message();
+      }, finish_at, expected);
     }
   }
   ExpectUnchanged();
