@@ -157,66 +157,77 @@ using VU16 = hn::Vec<DU16>;
 // extra bit cannot carry again).
 //
 // The per-tile constants are made once per tile (E4m3Bias), not per vector.
+//
+// These work on unsigned 16-bit lanes of any width (DU): a tile of 32 or 64 values takes
+// 512-bit vectors where the CPU has them, twice the values per instruction of 256 bits.
+template <class DU>
 struct E4m3Bias {
-  E4m3Bias(DU16 du, int e)
+  E4m3Bias(DU du, int e)
       : normal(hn::Set(du, static_cast<uint16_t>((e - 7) * 128 - 7))),
         subnormal(hn::Set(du, static_cast<uint16_t>((e - 10) * 128))) {}
-  VU16 normal;     // (e - 7) * 128 - 7: t + 7 = a - normal
-  VU16 subnormal;  // (e - 10) * 128: t + 384 = a - subnormal
+  hn::Vec<DU> normal;     // (e - 7) * 128 - 7: t + 7 = a - normal
+  hn::Vec<DU> subnormal;  // (e - 10) * 128: t + 384 = a - subnormal
 };
 
-HWY_INLINE VU16 EncodeE4m3Normal(DU16 du, VU16 a, const E4m3Bias& bias) {
-  const VU16 tb = hn::SaturatedSub(a, bias.normal);
-  const VU16 odd = hn::And(hn::ShiftRight<4>(tb), hn::Set(du, 1));
+template <class DU, class V = hn::Vec<DU>>
+HWY_INLINE V EncodeE4m3Normal(DU du, V a, const E4m3Bias<DU>& bias) {
+  const V tb = hn::SaturatedSub(a, bias.normal);
+  const V odd = hn::And(hn::ShiftRight<4>(tb), hn::Set(du, 1));
   return hn::Min(hn::ShiftRight<4>(hn::Add(tb, odd)), hn::Set(du, 0x7E));
 }
 
 // Zero in the lanes EncodeE4m3Normal may get wrong (t in [-384, 128)), nonzero elsewhere.
-HWY_INLINE VU16 OutsideSubnormalRange(VU16 a, const E4m3Bias& bias) {
+template <class DU, class V = hn::Vec<DU>>
+HWY_INLINE V OutsideSubnormalRange(V a, const E4m3Bias<DU>& bias) {
   return hn::ShiftRight<9>(hn::Sub(a, bias.subnormal));
 }
 
 // `code` with the lanes of t in [-384, 128) recoded exactly: (128 | m7) >> (5 - E') rounded
 // to nearest even, the variable shift done as << (E' + 3), then >> 8 in every lane.
-HWY_INLINE VU16 FixE4m3Subnormals(DU16 du, VU16 a, int e, const E4m3Bias& bias, VU16 code) {
-  const D16 d;
-  const V16 t = hn::Sub(hn::BitCast(d, a), hn::Set(d, static_cast<int16_t>((e - 7) * 128)));
-  const V16 exponent = hn::ShiftRight<7>(t);  // arithmetic: floor(t / 128) = E'
-  V16 significand = hn::Or(hn::And(t, hn::Set(d, 0x7F)), hn::Set(d, 0x80));
+template <class DU, class V = hn::Vec<DU>>
+HWY_INLINE V FixE4m3Subnormals(DU du, V a, int e, const E4m3Bias<DU>& bias, V code) {
+  const hn::RebindToSigned<DU> d;
+  using VS = hn::Vec<decltype(d)>;
+  const VS t = hn::Sub(hn::BitCast(d, a), hn::Set(d, static_cast<int16_t>((e - 7) * 128)));
+  const VS exponent = hn::ShiftRight<7>(t);  // arithmetic: floor(t / 128) = E'
+  VS significand = hn::Or(hn::And(t, hn::Set(d, 0x7F)), hn::Set(d, 0x80));
   for (int at_least = -2; at_least <= 0; ++at_least) {
     significand = hn::IfThenElse(exponent > hn::Set(d, static_cast<int16_t>(at_least - 1)),
                                  hn::Add(significand, significand), significand);
   }
-  const V16 odd = hn::And(hn::ShiftRight<8>(significand), hn::Set(d, 1));
-  const V16 rounded = hn::ShiftRight<8>(hn::Add(hn::Add(significand, hn::Set(d, 127)), odd));
-  return hn::IfThenElse(OutsideSubnormalRange(a, bias) == hn::Zero(du),
+  const VS odd = hn::And(hn::ShiftRight<8>(significand), hn::Set(d, 1));
+  const VS rounded = hn::ShiftRight<8>(hn::Add(hn::Add(significand, hn::Set(d, 127)), odd));
+  return hn::IfThenElse(OutsideSubnormalRange<DU>(a, bias) == hn::Zero(du),
                         hn::BitCast(du, rounded), code);
 }
 
 // Codes the e4m3 tiles of a row into data, tile t under exponent e[t]; with kExact the
 // subnormal fix is applied, without it the result says whether the row needed none.
+// Vectors of up to 32 lanes (512 bits), never more than a tile.
 template <int kTile, int kTiles, bool kExact>
 HWY_INLINE bool CodeE4m3Tiles(const uint16_t* row, uint8_t* data, const uint8_t* e) {
-  const D16 d;
-  const DU16 du;
-  const hn::Rebind<uint8_t, D16> d8;
-  const int n = static_cast<int>(hn::Lanes(d));
-  const VU16 magnitude = hn::Set(du, 0x7FFF), sign = hn::Set(du, 0x80);
-  VU16 nearest = hn::Set(du, 0xFFFF);
+  using DU = hn::CappedTag<uint16_t, (kTile < 32 ? kTile : 32)>;
+  using V = hn::Vec<DU>;
+  const DU du;
+  const hn::RebindToSigned<DU> d;
+  const hn::Rebind<uint8_t, DU> d8;
+  const int n = static_cast<int>(hn::Lanes(du));
+  const V magnitude = hn::Set(du, 0x7FFF), sign = hn::Set(du, 0x80);
+  V nearest = hn::Set(du, 0xFFFF);
   // A local copy: the stores into data could alias the scale row, which would make the
   // compiler load it (and remake the constants) again after every vector.
   uint8_t exponents[kTiles];
   std::memcpy(exponents, e, kTiles);
   for (int t = 0; t < kTiles; ++t) {
-    const E4m3Bias bias(du, exponents[t]);
+    const E4m3Bias<DU> bias(du, exponents[t]);
     for (int i = t * kTile; i < (t + 1) * kTile; i += n) {
-      const VU16 bits = hn::LoadU(du, row + i);
-      const VU16 a = hn::And(bits, magnitude);
-      VU16 code = EncodeE4m3Normal(du, a, bias);
+      const V bits = hn::LoadU(du, row + i);
+      const V a = hn::And(bits, magnitude);
+      V code = EncodeE4m3Normal(du, a, bias);
       if constexpr (kExact) {
         code = FixE4m3Subnormals(du, a, exponents[t], bias, code);
       } else {
-        nearest = hn::Min(nearest, OutsideSubnormalRange(a, bias));
+        nearest = hn::Min(nearest, OutsideSubnormalRange<DU>(a, bias));
       }
       code = hn::Or(code, hn::And(hn::ShiftRight<8>(bits), sign));
       hn::StoreU(hn::DemoteTo(d8, hn::BitCast(d, code)), d8, data + i);
@@ -318,6 +329,43 @@ HWY_INLINE void Fp4ScaleCodes(hn::Vec<D8> amax, const Fp4Tables& tables, uint8_t
   }
 }
 
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+// V41_FP4's scale row where vectors hold 512 bits: each vector holds two 16-value tiles,
+// so eight vectors reduce sixteen tiles in LargestPerVector's three rounds (which work
+// within 128-bit blocks): block b of the result holds, in lane j, vector j's maximum over
+// block b; blocks 0-1 are tile 2j's values and blocks 2-3 tile 2j + 1's. Half the vectors
+// and merges of 256 bits for the same tiles.
+HWY_INLINE bool ScaleFp4RowWide(const uint16_t* row, uint8_t* scale, const Fp4Tables& tables) {
+  using DW = hn::CappedTag<uint16_t, 32>;
+  using VW = hn::Vec<DW>;
+  const DW dw;
+  const hn::RepartitionToWide<DW> d32;
+  const hn::RepartitionToWide<decltype(d32)> d64;
+  const hn::Half<DW> dh;
+  const D8x16 d8;
+  auto merge = [&](auto dwide, VW a, VW b) HWY_ATTR {
+    const auto wa = hn::BitCast(dwide, a), wb = hn::BitCast(dwide, b);
+    return hn::Max(hn::BitCast(dw, hn::InterleaveLower(dwide, wa, wb)),
+                   hn::BitCast(dw, hn::InterleaveUpper(dwide, wa, wb)));
+  };
+  const VW magnitude = hn::Set(dw, 0x7FFF);
+  auto row_max = hn::Zero(d8);
+  for (int g = 0; g < kHeadDim / 256; ++g) {  // 16 tiles of 16 values
+    VW v[8];
+    for (int j = 0; j < 8; ++j) v[j] = hn::And(hn::LoadU(dw, row + g * 256 + j * 32), magnitude);
+    const VW r = merge(d64, merge(d32, merge(dw, v[0], v[1]), merge(dw, v[2], v[3])),
+                       merge(d32, merge(dw, v[4], v[5]), merge(dw, v[6], v[7])));
+    const auto low = hn::LowerHalf(dh, r), high = hn::UpperHalf(dh, r);
+    const auto even = hn::Max(hn::LowerHalf(d8, low), hn::UpperHalf(d8, low));    // tile 2j
+    const auto odd = hn::Max(hn::LowerHalf(d8, high), hn::UpperHalf(d8, high));  // 2j + 1
+    row_max = hn::Max(row_max, hn::Max(even, odd));
+    Fp4ScaleCodes(hn::InterleaveLower(d8, even, odd), tables, scale + g * 16);
+    Fp4ScaleCodes(hn::InterleaveUpper(d8, even, odd), tables, scale + g * 16 + 8);
+  }
+  return hn::GetLane(hn::MaxOfLanes(d8, row_max)) < kNonFiniteMagnitude;
+}
+#endif
+
 // The scale row of a row into scale: V4 7 exponents and the zero pad byte, V41 16
 // exponents, V41_FP4 32 e4m3 codes. False if the row holds NaN or Inf (all 512 values are
 // looked at, V4's RoPE dims too), and the scale row is then meaningless.
@@ -344,6 +392,9 @@ bool ScaleRowT(const uint16_t* row, uint8_t* scale, const Fp4Tables& tables) {
     }
     return row_max < kNonFiniteMagnitude;
   } else {
+#if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
+    if constexpr (kLayout == Layout::kV41Fp4) return ScaleFp4RowWide(row, scale, tables);
+#endif
     // Groups of 8 tiles; V4's 7 NoPE tiles take its RoPE dims (one more 64-value tile) as
     // the 8th, for the finite check only.
     static_assert(kLayout != Layout::kV4 || (kTiles == 7 && kRopeDim == kTile));
