@@ -546,27 +546,29 @@ HWY_INLINE bool HasSubnormalCodes(const uint8_t* codes, int count) {
 // without it the row must have none.
 template <int kTile, int kTiles, bool kSubnormals>
 HWY_INLINE void DecodeE4m3Tiles(const uint8_t* data, const uint8_t* scale, uint16_t* row) {
-  const D16 d;
-  const hn::Rebind<uint8_t, D16> d8;
-  const hn::Repartition<uint8_t, D16> dbytes;
+  using D = hn::CappedTag<int16_t, (kTile < 32 ? kTile : 32)>;  // up to 512 bits
+  using V = hn::Vec<D>;
+  const D d;
+  const hn::Rebind<uint8_t, D> d8;
+  const hn::Repartition<uint8_t, D> dbytes;
   const int n = static_cast<int>(hn::Lanes(d));
   const auto table = hn::LoadDup128(dbytes, kSubnormalBf16);
-  const V16 low7 = hn::Set(d, 0x7F), low3 = hn::Set(d, 0x7), eight = hn::Set(d, 8);
-  const V16 zero = hn::Zero(d), sign = hn::Set(d, 0x80);
+  const V low7 = hn::Set(d, 0x7F), low3 = hn::Set(d, 0x7), eight = hn::Set(d, 8);
+  const V zero = hn::Zero(d), sign = hn::Set(d, 0x80);
   // Byte indices 2m, 2m + 1 of entry m.
-  const V16 index_step = hn::Set(d, 0x0202), index_base = hn::Set(d, 0x0100);
+  const V index_step = hn::Set(d, 0x0202), index_base = hn::Set(d, 0x0100);
   int16_t* out = reinterpret_cast<int16_t*>(row);
   for (int t = 0; t < kTiles; ++t) {
     const int e = scale[t];
-    const V16 normal_bias = hn::Set(d, static_cast<int16_t>((e - 7) * 128));
-    const V16 subnormal_bias = hn::Set(d, static_cast<int16_t>((e - 136) * 128));
+    const V normal_bias = hn::Set(d, static_cast<int16_t>((e - 7) * 128));
+    const V subnormal_bias = hn::Set(d, static_cast<int16_t>((e - 136) * 128));
     for (int i = t * kTile; i < (t + 1) * kTile; i += n) {
-      const V16 code = hn::PromoteTo(d, hn::LoadU(d8, data + i));
-      const V16 m = hn::And(code, low7);
-      V16 value = hn::IfThenZeroElse(m == zero, hn::Add(hn::ShiftLeft<4>(m), normal_bias));
+      const V code = hn::PromoteTo(d, hn::LoadU(d8, data + i));
+      const V m = hn::And(code, low7);
+      V value = hn::IfThenZeroElse(m == zero, hn::Add(hn::ShiftLeft<4>(m), normal_bias));
       if constexpr (kSubnormals) {
-        const V16 index = hn::Add(hn::And(m, low3) * index_step, index_base);
-        const V16 subnormal = hn::Add(
+        const V index = hn::Add(hn::And(m, low3) * index_step, index_base);
+        const V subnormal = hn::Add(
             hn::BitCast(d, hn::TableLookupBytes(table, hn::BitCast(dbytes, index))),
             subnormal_bias);
         value = hn::IfThenElse(m < eight, hn::IfThenZeroElse(m == zero, subnormal), value);
