@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "common/errors.h"
 #include "common/log.h"
+#include "kvferry/kernels/cpu_ops.h"
 #include "kvferry/kernels/status_macros.h"
 #include "kvferry/kernels/validate.h"
 
@@ -38,15 +39,28 @@ absl::StatusOr<int64_t> StagingArena::Reserve(int64_t bytes) {
   return offset;
 }
 
-void StagingArena::Write(int64_t offset, std::span<const uint8_t> data) {
+bool StagingArena::Write(int64_t offset, std::span<const uint8_t> data, bool check_finite) {
+  bool finite = true;
   size_t done = 0;
   while (done < data.size()) {
     const int64_t at = offset + static_cast<int64_t>(done);
     const int64_t in_chunk = std::min<int64_t>(chunk_bytes_ - at % chunk_bytes_,
                                                static_cast<int64_t>(data.size() - done));
-    std::memcpy(At(at), data.data() + done, in_chunk);
+    if (check_finite) {
+      // Chunks and offsets are even: every piece holds whole bf16 values.
+      finite &= cpu::CopyFiniteBf16(data.subspan(done, in_chunk), At(at));
+    } else {
+      std::memcpy(At(at), data.data() + done, in_chunk);
+    }
     done += in_chunk;
   }
+  return finite;
+}
+
+void StagingArena::Truncate(int64_t size) {
+  if (size >= size_) return;
+  if (owner_ != nullptr) owner_->Refund(Resource::kStagedWriteBytes, size_ - size);
+  size_ = size;
 }
 
 uint8_t* StagingArena::At(int64_t offset) const {
@@ -144,10 +158,24 @@ absl::Status StagedWrite::AddRows(std::span<const TokenLocation> locations,
                                 " slot ", locations[i].slot, ") is written twice in one write"));
     }
   }
-  KVF_RETURN_IF_ERROR(WithReason(ValidateFiniteBytes(rows, staged), ErrorReason::kNonFiniteValue));
   if (n == 0) return absl::OkStatus();
-  KVF_ASSIGN_OR_RETURN(const int64_t offset, arena_.Reserve(static_cast<int64_t>(rows.size())));
-  arena_.Write(offset, rows);
+  // The rows are checked finite as they are copied into the staging, in one pass; a NaN or
+  // Inf gives the message's staging back, and a message that also finds no staging gets the
+  // NaN's error (as when the check came first).
+  auto not_finite = [&] {
+    return WithReason(ValidateFiniteBytes(rows, staged), ErrorReason::kNonFiniteValue);
+  };
+  absl::StatusOr<int64_t> offset = arena_.Reserve(static_cast<int64_t>(rows.size()));
+  if (!offset.ok()) {
+    KVF_RETURN_IF_ERROR(not_finite());
+    return offset.status();
+  }
+  if (!arena_.Write(*offset, rows, /*check_finite=*/true)) {
+    arena_.Truncate(*offset);
+    KVF_RETURN_IF_ERROR(not_finite());
+    return Error(absl::StatusCode::kInternal, ErrorReason::kInternalError,
+                 "the staging copy found a value that is not finite where the check finds none");
+  }
   tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
   return absl::OkStatus();
 }

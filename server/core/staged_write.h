@@ -47,8 +47,11 @@ class StagingArena {
   // Reserves `bytes` at the end of the stream; returns their offset. QUOTA_EXCEEDED when
   // the owner may not stage that many more bytes.
   absl::StatusOr<int64_t> Reserve(int64_t bytes);
-  // Copies data into reserved bytes at `offset`.
-  void Write(int64_t offset, std::span<const uint8_t> data);
+  // Copies data into reserved bytes at `offset`. With `check_finite` (data being bf16
+  // values), says in the same pass over the bytes whether every value is finite; else true.
+  bool Write(int64_t offset, std::span<const uint8_t> data, bool check_finite = false);
+  // Gives back the reserved bytes from `size` on (their charge too); the chunks stay.
+  void Truncate(int64_t size);
   // Host pointer of a reserved offset, valid for the bytes up to the end of its chunk.
   uint8_t* At(int64_t offset) const;
   int64_t size() const { return size_; }

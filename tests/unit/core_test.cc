@@ -568,6 +568,7 @@ TEST(CoreWriteTest, EveryInvalidPieceIsRefusedWithItsReasonAndChangesNothing) {
     auto w = *StagedWrite::ForRows(pool, 1, WriteLimits{});
     ASSERT_TRUE(w->AddRows(Where{{h[2], 0}}, {good.data(), 1024}).ok());  // a valid first piece
     EXPECT_EQ(ReasonOf(w->AddRows(c.where, c.bytes)), c.reason);
+    EXPECT_EQ(w->staged_bytes(), 1024) << "a refused piece keeps no staging";
   }
   EXPECT_EQ(ReasonOf(StagedWrite::ForRows(pool, 2, WriteLimits{}).status()),
             ErrorReason::kLayerOutOfRange);
@@ -997,6 +998,24 @@ TEST(TenantTest, QuotasRefuseWithoutAllocatingAndRecoverOnFree) {
                                      AsBytes(testing::RandomRows(3, 1)))),
               ErrorReason::kQuotaExceeded);
     over.reset();  // a failed write is dropped
+    // Rows that are not finite and over the quota: the NaN is the reason given (rows are
+    // checked before they are staged), and nothing stays charged.
+    const std::vector<uint16_t> nan_rows = testing::RandomRows(3, 1);
+    std::vector<uint8_t> nan(AsBytes(nan_rows).begin(), AsBytes(nan_rows).end());
+    nan[2 * 1024 + 2 * 7 + 1] = 0xFF;  // row 2, dim 7: -Inf
+    nan[2 * 1024 + 2 * 7] = 0x80;
+    auto both = *StagedWrite::ForRows(pool, 0, WriteLimits{});
+    EXPECT_EQ(ReasonOf(both->AddRows(Where{{pages[1], 0}, {pages[1], 1}, {pages[1], 2}}, nan)),
+              ErrorReason::kNonFiniteValue);
+    EXPECT_EQ(alice->used(Resource::kStagedWriteBytes), 0);
+    // Within the quota, the NaN found while staging gives the message's charge back.
+    auto within = *StagedWrite::ForRows(pool, 0, WriteLimits{});
+    ASSERT_TRUE(within->AddRows(Where{{pages[1], 0}}, {nan.data(), kBf16RowBytes}).ok());
+    EXPECT_EQ(ReasonOf(within->AddRows(Where{{pages[1], 2}}, {nan.data() + 2 * kBf16RowBytes,
+                                                               kBf16RowBytes})),
+              ErrorReason::kNonFiniteValue);
+    EXPECT_EQ(alice->used(Resource::kStagedWriteBytes), kBf16RowBytes);
+    within.reset();
     auto write = *StagedWrite::ForRows(pool, 0, WriteLimits{});
     ASSERT_TRUE(write->AddRows(Where{{pages[1], 0}, {pages[1], 1}},
                                AsBytes(testing::RandomRows(2, 1))).ok());

@@ -2,6 +2,8 @@
 // instruction set compiled in, single- and multi-threaded, and on invalid input.
 #include "kvferry/kernels/cpu_ops.h"
 
+#include <cstring>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -12,6 +14,7 @@
 #include "common/stored_rows.h"
 #include "gtest/gtest.h"
 #include "kvferry/kernels/ops.h"
+#include "kvferry/kernels/validate.h"
 
 namespace kvferry {
 namespace {
@@ -465,6 +468,60 @@ TEST_F(CpuInvalidTest, PageOpsRejectWhatTheReferenceRejects) {
       [&](std::span<uint8_t> p, cpu::ThreadPool* w) {
         return cpu::ZeroPages(PageCopyGeometry{0, 4, 1}, std::vector<int64_t>{1}, p, w);
       });
+}
+
+}  // namespace
+}  // namespace kvferry
+
+namespace kvferry {
+namespace {
+
+// CopyFiniteBf16 against the shared validator (scalar code of its own): every byte copied,
+// and the same verdict, for lengths around the vector widths, both pointers misaligned, and
+// each kind of non-finite value (and the largest finite ones) at every position.
+TEST(CpuCopyFiniteTest, CopiesEveryByteAndFindsEveryValueThatIsNotFinite) {
+  const std::vector<uint16_t> rows = testing::RandomRows(2, 5);
+  const uint16_t planted[] = {0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFFF,  // ±Inf, NaNs
+                              0x7F7F, 0xFF7F, 0x8000};                 // finite: max, -0
+  ForEachCpuTarget([&] {
+    for (const size_t bytes : {0, 1, 2, 3, 62, 64, 66, 127, 128, 130, 190, 256, 258, 1026}) {
+      for (const size_t src_at : {0, 1, 3}) {
+        for (const size_t dst_at : {0, 1, 2}) {
+          std::vector<uint8_t> src(src_at + bytes), dst(dst_at + bytes + 1, 0xAB);
+          std::memcpy(src.data() + src_at, rows.data(), bytes);
+          const std::span<const uint8_t> in(src.data() + src_at, bytes);
+          EXPECT_TRUE(cpu::CopyFiniteBf16(in, dst.data() + dst_at)) << bytes;
+          ASSERT_EQ(0, std::memcmp(dst.data() + dst_at, in.data(), bytes)) << bytes;
+          ASSERT_EQ(dst[dst_at + bytes], 0xAB) << "wrote past the end";
+          for (size_t value = 0; 2 * value + 1 < bytes; value += (bytes > 300 ? 37 : 1)) {
+            for (const uint16_t v : planted) {
+              std::vector<uint8_t> bad(src.begin(), src.end());
+              bad[src_at + 2 * value] = static_cast<uint8_t>(v);
+              bad[src_at + 2 * value + 1] = static_cast<uint8_t>(v >> 8);
+              const std::span<const uint8_t> bad_in(bad.data() + src_at, bytes);
+              const bool finite = ValidateFiniteBytes(bad_in).ok();
+              ASSERT_EQ(cpu::CopyFiniteBf16(bad_in, dst.data() + dst_at), finite)
+                  << bytes << " bytes, value " << value << " = 0x" << std::hex << v;
+              ASSERT_EQ(0, std::memcmp(dst.data() + dst_at, bad_in.data(), bytes));
+            }
+          }
+        }
+      }
+    }
+    // A buffer of many vectors with one NaN at its first, a middle and its last value.
+    std::vector<uint8_t> big(1 << 20);
+    std::memcpy(big.data(), testing::RandomRows(1024, 9).data(), big.size());
+    std::vector<uint8_t> out(big.size());
+    EXPECT_TRUE(cpu::CopyFiniteBf16(big, out.data()));
+    EXPECT_EQ(big, out);
+    for (const size_t value : {size_t{0}, big.size() / 4 + 3, big.size() / 2 - 1}) {
+      std::vector<uint8_t> bad = big;
+      bad[2 * value] = 0xC0;
+      bad[2 * value + 1] = 0x7F;
+      EXPECT_FALSE(cpu::CopyFiniteBf16(bad, out.data())) << value;
+      EXPECT_EQ(bad, out);
+    }
+  });
 }
 
 }  // namespace

@@ -137,6 +137,10 @@ absl::Status QuantizeStoreCheckedRows(const PoolGeometry& geometry,
   return absl::OkStatus();
 }
 
+bool CopyFiniteBf16(std::span<const uint8_t> src, uint8_t* dst) {
+  return internal::CopyFinite(src.data(), dst, src.size());
+}
+
 absl::Status DequantizeGather(const PoolGeometry& geometry, std::span<const uint8_t> pool,
                               std::span<const int64_t> locs, std::span<uint16_t> out,
                               int64_t out_row_stride, ThreadPool* workers) {

@@ -782,6 +782,37 @@ void TranscodeRowsImpl(const PoolGeometry& from, const uint8_t* src, const PoolG
   }
 }
 
+// Copies `bytes` (whole bf16 values, any alignment) and says whether all were finite: the
+// largest magnitude bits of the vectors copied, against the smallest non-finite one. Byte
+// vectors, so that neither pointer need be aligned for 16-bit loads.
+bool CopyFiniteImpl(const uint8_t* src, uint8_t* dst, size_t bytes) {
+  size_t at = 0;
+  int largest = 0;
+#if HWY_TARGET != HWY_SCALAR  // one-byte vectors hold no bf16: the loop below does it all
+  const hn::ScalableTag<uint8_t> d8;
+  const hn::Repartition<uint16_t, decltype(d8)> d16;
+  const size_t n = hn::Lanes(d8);
+  const auto magnitude = hn::Set(d16, 0x7FFF);
+  auto largest0 = hn::Zero(d16), largest1 = hn::Zero(d16);
+  for (; at + 2 * n <= bytes; at += 2 * n) {
+    const auto v0 = hn::LoadU(d8, src + at), v1 = hn::LoadU(d8, src + at + n);
+    hn::StoreU(v0, d8, dst + at);
+    hn::StoreU(v1, d8, dst + at + n);
+    largest0 = hn::Max(largest0, hn::And(hn::BitCast(d16, v0), magnitude));
+    largest1 = hn::Max(largest1, hn::And(hn::BitCast(d16, v1), magnitude));
+  }
+  largest = hn::GetLane(hn::MaxOfLanes(d16, hn::Max(largest0, largest1)));
+#endif
+  for (; at + 1 < bytes; at += 2) {
+    const int v = src[at] | (src[at + 1] << 8);
+    largest = std::max(largest, v & 0x7FFF);
+    dst[at] = src[at];
+    dst[at + 1] = src[at + 1];
+  }
+  if (at < bytes) dst[at] = src[at];  // an odd last byte: copied, not a value
+  return largest < kNonFiniteMagnitude;
+}
+
 }  // namespace HWY_NAMESPACE
 }  // namespace kvferry::cpu::internal
 HWY_AFTER_NAMESPACE();
@@ -795,6 +826,7 @@ HWY_EXPORT(EncodeRowsImpl);
 HWY_EXPORT(StoreCheckedRowsImpl);
 HWY_EXPORT(DequantizeRowsImpl);
 HWY_EXPORT(TranscodeRowsImpl);
+HWY_EXPORT(CopyFiniteImpl);
 
 const char* DispatchedTargetName() {
   return hwy::TargetName(HWY_DYNAMIC_DISPATCH(TargetImpl)());
@@ -823,6 +855,10 @@ void DequantizeRows(const PoolGeometry& geometry, const uint8_t* pool, const int
 void TranscodeRows(const PoolGeometry& from, const uint8_t* src, const PoolGeometry& to,
                    uint8_t* dst, const int64_t* locs, int64_t count) {
   HWY_DYNAMIC_DISPATCH(TranscodeRowsImpl)(from, src, to, dst, locs, count);
+}
+
+bool CopyFinite(const uint8_t* src, uint8_t* dst, size_t bytes) {
+  return HWY_DYNAMIC_DISPATCH(CopyFiniteImpl)(src, dst, bytes);
 }
 
 }  // namespace kvferry::cpu::internal

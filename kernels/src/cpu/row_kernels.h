@@ -2,6 +2,7 @@
 // at run time to the best one the CPU supports. Inputs are validated by the caller.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "kvferry/kernels/format.h"
@@ -31,6 +32,8 @@ void DequantizeRows(const PoolGeometry& geometry, const uint8_t* pool, const int
 void TranscodeRows(const PoolGeometry& from, const uint8_t* src, const PoolGeometry& to,
                    uint8_t* dst, const int64_t* locs, int64_t count);
 
+// Copies `bytes` from src to dst; true if every whole bf16 value among them is finite.
+bool CopyFinite(const uint8_t* src, uint8_t* dst, size_t bytes);
 // The instruction set the calls above dispatch to now (e.g. "AVX2").
 const char* DispatchedTargetName();
 

@@ -58,6 +58,12 @@ absl::Status ScatterPages(const PageCopyGeometry& geometry, std::span<const uint
 absl::Status ZeroPages(const PageCopyGeometry& geometry, std::span<const int64_t> pages,
                        std::span<uint8_t> pool, ThreadPool* workers = nullptr);
 
+// Copies bf16 rows held as little-endian bytes (either pointer at any alignment) to dst and
+// says whether every value is finite: one pass over the bytes where ValidateFiniteBytes
+// and a copy take two. dst holds the copy either way; ValidateFiniteBytes names the first
+// value that is not finite.
+bool CopyFiniteBf16(std::span<const uint8_t> src, uint8_t* dst);
+
 // The name of the instruction set the ops dispatch to on this CPU (e.g. "AVX2"), for logs
 // and benchmark tables.
 const char* DispatchedTargetName();
