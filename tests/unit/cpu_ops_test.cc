@@ -487,7 +487,8 @@ TEST(CpuCopyFiniteTest, CopiesEveryByteAndFindsEveryValueThatIsNotFinite) {
     for (const size_t bytes : {0, 1, 2, 3, 62, 64, 66, 127, 128, 130, 190, 256, 258, 1026}) {
       for (const size_t src_at : {0, 1, 3}) {
         for (const size_t dst_at : {0, 1, 2}) {
-          std::vector<uint8_t> src(src_at + bytes), dst(dst_at + bytes + 1, 0xAB);
+          // One spare byte each, so that no pointer is null when `bytes` is 0.
+          std::vector<uint8_t> src(src_at + bytes + 1), dst(dst_at + bytes + 1, 0xAB);
           std::memcpy(src.data() + src_at, rows.data(), bytes);
           const std::span<const uint8_t> in(src.data() + src_at, bytes);
           EXPECT_TRUE(cpu::CopyFiniteBf16(in, dst.data() + dst_at)) << bytes;
