@@ -270,11 +270,11 @@ HWY_INLINE VU16 TileMaxVector(DU16 du, const uint16_t* p) {
   return max;
 }
 
-// Lane i (of 8): the largest lane of v[i]. Three rounds of interleave-and-max (16, 32, 64
-// bits) leave each 128-bit block with one partial maximum per vector, in order; then the
-// blocks are merged. About 3 operations per vector instead of a horizontal reduction each.
-template <class DU = DU16>  // a template so that only the branch of the target compiles
-HWY_INLINE hn::Vec<D8x16> LargestPerVector(const hn::Vec<DU> (&v)[8]) {
+// In each 128-bit block, lane i: the largest lane of v[i] within that block. Three rounds
+// of interleave-and-max (16, 32, 64 bits), which x86 and NEON do per block: about 3
+// operations per vector instead of a horizontal reduction each. Any vector width.
+template <class DU>
+HWY_INLINE hn::Vec<DU> BlockwiseLargest(const hn::Vec<DU> (&v)[8]) {
   const DU du;
   const hn::RepartitionToWide<DU> d32;
   const hn::RepartitionToWide<decltype(d32)> d64;
@@ -284,8 +284,14 @@ HWY_INLINE hn::Vec<D8x16> LargestPerVector(const hn::Vec<DU> (&v)[8]) {
     return hn::Max(hn::BitCast(du, hn::InterleaveLower(dw, wa, wb)),
                    hn::BitCast(du, hn::InterleaveUpper(dw, wa, wb)));
   };
-  const V r = merge(d64, merge(d32, merge(du, v[0], v[1]), merge(du, v[2], v[3])),
-                       merge(d32, merge(du, v[4], v[5]), merge(du, v[6], v[7])));
+  return merge(d64, merge(d32, merge(du, v[0], v[1]), merge(du, v[2], v[3])),
+               merge(d32, merge(du, v[4], v[5]), merge(du, v[6], v[7])));
+}
+
+// Lane i (of 8): the largest lane of v[i]: BlockwiseLargest, then the blocks merged.
+template <class DU = DU16>  // a template so that only the branch of the target compiles
+HWY_INLINE hn::Vec<D8x16> LargestPerVector(const hn::Vec<DU> (&v)[8]) {
+  const auto r = BlockwiseLargest<DU>(v);
   if constexpr (hn::MaxLanes(DU()) > 8) {
     const D8x16 dh;
     return hn::Max(hn::LowerHalf(dh, r), hn::UpperHalf(dh, r));
@@ -331,30 +337,21 @@ HWY_INLINE void Fp4ScaleCodes(hn::Vec<D8> amax, const Fp4Tables& tables, uint8_t
 
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
 // V41_FP4's scale row where vectors hold 512 bits: each vector holds two 16-value tiles,
-// so eight vectors reduce sixteen tiles in LargestPerVector's three rounds (which work
-// within 128-bit blocks): block b of the result holds, in lane j, vector j's maximum over
-// block b; blocks 0-1 are tile 2j's values and blocks 2-3 tile 2j + 1's. Half the vectors
-// and merges of 256 bits for the same tiles.
+// so eight vectors reduce sixteen tiles in BlockwiseLargest's three rounds: block b of the
+// result holds, in lane j, vector j's maximum over block b; blocks 0-1 are tile 2j's values
+// and blocks 2-3 tile 2j + 1's. Half the vectors and merges of 256 bits for the same tiles.
 HWY_INLINE bool ScaleFp4RowWide(const uint16_t* row, uint8_t* scale, const Fp4Tables& tables) {
   using DW = hn::CappedTag<uint16_t, 32>;
   using VW = hn::Vec<DW>;
   const DW dw;
-  const hn::RepartitionToWide<DW> d32;
-  const hn::RepartitionToWide<decltype(d32)> d64;
   const hn::Half<DW> dh;
   const D8x16 d8;
-  auto merge = [&](auto dwide, VW a, VW b) HWY_ATTR {
-    const auto wa = hn::BitCast(dwide, a), wb = hn::BitCast(dwide, b);
-    return hn::Max(hn::BitCast(dw, hn::InterleaveLower(dwide, wa, wb)),
-                   hn::BitCast(dw, hn::InterleaveUpper(dwide, wa, wb)));
-  };
   const VW magnitude = hn::Set(dw, 0x7FFF);
   auto row_max = hn::Zero(d8);
   for (int g = 0; g < kHeadDim / 256; ++g) {  // 16 tiles of 16 values
     VW v[8];
     for (int j = 0; j < 8; ++j) v[j] = hn::And(hn::LoadU(dw, row + g * 256 + j * 32), magnitude);
-    const VW r = merge(d64, merge(d32, merge(dw, v[0], v[1]), merge(dw, v[2], v[3])),
-                       merge(d32, merge(dw, v[4], v[5]), merge(dw, v[6], v[7])));
+    const VW r = BlockwiseLargest<DW>(v);
     const auto low = hn::LowerHalf(dh, r), high = hn::UpperHalf(dh, r);
     const auto even = hn::Max(hn::LowerHalf(d8, low), hn::UpperHalf(d8, low));    // tile 2j
     const auto odd = hn::Max(hn::LowerHalf(d8, high), hn::UpperHalf(d8, high));  // 2j + 1
