@@ -201,12 +201,16 @@ HWY_INLINE V FixE4m3Subnormals(DU du, V a, int e, const E4m3Bias<DU>& bias, V co
                         hn::BitCast(du, rounded), code);
 }
 
+// The e4m3 coders' and decoders' vectors: 16-bit lanes, up to 512 bits, never more than a
+// tile (32 or 64 values), so that one tile's constants serve a whole vector.
+template <typename T, int kTile>
+using TileTag = hn::CappedTag<T, (kTile < 32 ? kTile : 32)>;
+
 // Codes the e4m3 tiles of a row into data, tile t under exponent e[t]; with kExact the
 // subnormal fix is applied, without it the result says whether the row needed none.
-// Vectors of up to 32 lanes (512 bits), never more than a tile.
 template <int kTile, int kTiles, bool kExact>
 HWY_INLINE bool CodeE4m3Tiles(const uint16_t* row, uint8_t* data, const uint8_t* e) {
-  using DU = hn::CappedTag<uint16_t, (kTile < 32 ? kTile : 32)>;
+  using DU = TileTag<uint16_t, kTile>;
   using V = hn::Vec<DU>;
   const DU du;
   const hn::RebindToSigned<DU> d;
@@ -543,7 +547,7 @@ HWY_INLINE bool HasSubnormalCodes(const uint8_t* codes, int count) {
 // without it the row must have none.
 template <int kTile, int kTiles, bool kSubnormals>
 HWY_INLINE void DecodeE4m3Tiles(const uint8_t* data, const uint8_t* scale, uint16_t* row) {
-  using D = hn::CappedTag<int16_t, (kTile < 32 ? kTile : 32)>;  // up to 512 bits
+  using D = TileTag<int16_t, kTile>;
   using V = hn::Vec<D>;
   const D d;
   const hn::Rebind<uint8_t, D> d8;
