@@ -470,12 +470,6 @@ TEST_F(CpuInvalidTest, PageOpsRejectWhatTheReferenceRejects) {
       });
 }
 
-}  // namespace
-}  // namespace kvferry
-
-namespace kvferry {
-namespace {
-
 // CopyFiniteBf16 against the shared validator (scalar code of its own): every byte copied,
 // and the same verdict, for lengths around the vector widths, both pointers misaligned, and
 // each kind of non-finite value (and the largest finite ones) at every position.
