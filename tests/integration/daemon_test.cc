@@ -10,6 +10,7 @@
 #include "common/random_rows.h"
 #include "daemon_harness.h"
 #include "kvferry/kernels/ops.h"
+#include "metrics_scrape.h"
 
 namespace kvferry {
 namespace {
@@ -129,7 +130,10 @@ TEST_F(DaemonInvalidTest, InfInALaterMessageLeavesEarlierMessagesUnwritten) {
   for (int i = 0; i < 4; ++i) where.push_back(Location(pages_[0], i));  // overwrite known rows
   const grpc::Status s = Write(where, rows, /*per=*/2);
   EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  // Rows are numbered across the write: the second message's second row is row 3.
+  EXPECT_NE(s.error_message().find("row 3 dim 0 is -Inf"), std::string::npos) << s.error_message();
   ExpectUnchanged();
+  EXPECT_EQ(testing::StagedBytesSettled(d_), 0) << "the refused write's staging is released";
 }
 
 // gRPC ends a read both when the client half-closes and when a message does not decode; the
