@@ -1,14 +1,17 @@
 // Clients killed with SIGKILL at random points of a write stream, a thousand times, against
-// the real daemon: every write is all or nothing (the pages hold either the last committed
-// write or the killed one's, never a mix), nothing leaks (no page, no staged write, no
+// the real daemon: every write is all or nothing (the pages hold the last committed write,
+// the killed one's, or that of a client killed just after sending its last message, which
+// the daemon committed late; never a mix), nothing leaks (no page, no staged write, no
 // stream, no thread: the daemon runs with small write and stream budgets that leaked
 // staging would use up), and the daemon keeps serving.
 #include <signal.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <deque>
 #include <fstream>
 #include <random>
 #include <string>
@@ -70,7 +73,12 @@ TEST(KillTest, ClientsKilledAtRandomPointsOfAWriteLeaveWholeWritesAndNoLeaks) {
   }
   const int64_t threads_before = testing::ProcStatus(d.pid(), "Threads");
   std::mt19937_64 rng(20261202);
-  int committed = 0, dropped = 0;
+  int committed = 0, dropped = 0, late = 0;
+  // A client killed after it sent its last message (the one with the finish mark) gave the
+  // daemon a whole write, which the daemon commits when it gets to it: under load that can
+  // be after this loop has read the pages, and then the write shows at a later read. So the
+  // pages may hold the write of a client killed before; they must always hold a whole one.
+  std::deque<uint64_t> unseen;  // seeds of the last killed clients whose write was not seen
   const int n = Iterations();
   for (int i = 0; i < n; ++i) {
     const uint64_t seed = 1000 + i;
@@ -107,19 +115,30 @@ TEST(KillTest, ClientsKilledAtRandomPointsOfAWriteLeaveWholeWritesAndNoLeaks) {
     std::string now;
     const grpc::Status read = testing::ReadPages(d, "k", pages, &now);
     ASSERT_TRUE(read.ok()) << "iteration " << i << ": " << read.error_message();
-    if (now == held) {
-      ++dropped;
-      ASSERT_FALSE(let_finish) << "iteration " << i << ": a client that ran to its end stored nothing: "
-                               << last;
-    } else {
-      const std::string mine = written(seed);
-      ASSERT_EQ(now, mine) << "iteration " << i << ": the pages hold neither the last write nor "
-                           << "the killed one's: a partial write";
-      held = mine;
+    bool seen = false;  // this client's write is in the pages
+    if (now != held) {
+      seen = now == written(seed);
+      if (!seen) {
+        const auto it = std::find_if(unseen.begin(), unseen.end(),
+                                     [&](uint64_t s) { return now == written(s); });
+        ASSERT_NE(it, unseen.end()) << "iteration " << i << ": the pages hold neither the last "
+                                    << "write nor a killed client's whole write: a partial write";
+        unseen.erase(it);
+        ++late;
+      }
+      held = now;
       ++committed;
     }
+    if (!seen) {
+      ASSERT_FALSE(let_finish) << "iteration " << i << ": a client that ran to its end stored nothing: "
+                               << last;
+      ++dropped;
+      unseen.push_back(seed);
+      if (unseen.size() > 8) unseen.pop_front();
+    }
   }
-  std::printf("%d clients: %d writes committed, %d dropped\n", n, committed, dropped);
+  std::printf("%d clients: %d writes committed (%d seen only after a later client), %d not seen "
+              "when their client was gone\n", n, committed, late, dropped);
   EXPECT_GT(committed, 0);
   EXPECT_GT(dropped, 0);  // both outcomes happened: the kills landed inside streams
   // Nothing leaked: the pages are the pool's only ones, a full write still fits in the
