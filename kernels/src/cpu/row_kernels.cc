@@ -510,7 +510,8 @@ HWY_INLINE void EncodeFp4RowAvx512(const uint16_t* row, const uint8_t* scale, ui
   const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
   const __m512i negative_zero = _mm512_set1_epi16(static_cast<int16_t>(0x8000));
   // c, as in EncodeFp4Tiles, is the code as a lookup index: code * 0x0202 + 0x0100.
-  const __m512i base = _mm512_set1_epi16(0x0100), index_of_3 = _mm512_set1_epi16(3 * 0x0202 + 0x0100);
+  const __m512i base = _mm512_set1_epi16(0x0100),
+                index_of_3 = _mm512_set1_epi16(3 * 0x0202 + 0x0100);
   const __m512i step4 = _mm512_set1_epi16(4 * 0x0202), step2 = _mm512_set1_epi16(2 * 0x0202),
                 step1 = _mm512_set1_epi16(0x0202);
   // Adding 16 sets bit 4 of the low byte (2 * code), i.e. the sign bit 8 of the code.
