@@ -271,9 +271,10 @@ std::span<T> AtAlignment(std::vector<T>& storage, size_t size, size_t misalign) 
 }
 
 TEST(CpuStreamingTest, OutputsBeyondTheCachesGiveTheReferenceBytesAtAnyAlignment) {
-  // 16384 V4 records (9.6 MB) and workspace rows (16 MiB): past the size where the cpu path
-  // writes with non-temporal stores.
+  // 16384 V4 records (9.6 MB), workspace rows (16 MiB) and V41 records transcoded from the
+  // V4 ones (8.7 MB): past the size where the cpu path writes with non-temporal stores.
   const PoolGeometry g{Layout::kV4, 64, 300};
+  const PoolGeometry v41{Layout::kV41, 64, 300};
   const int64_t n = 16384;
   auto rows = testing::AdversarialRows(n, 51);
   const auto latent = testing::RandomRows(n / 2, 52);
@@ -283,6 +284,8 @@ TEST(CpuStreamingTest, OutputsBeyondTheCachesGiveTheReferenceBytesAtAnyAlignment
   ASSERT_TRUE(reference::QuantizeStore(g, rows, locs, expected).ok());
   std::vector<uint16_t> expected_rows(rows.size());
   ASSERT_TRUE(reference::DequantizeGather(g, expected, locs, expected_rows).ok());
+  std::vector<uint8_t> expected_v41(v41.pool_bytes(), 0);
+  ASSERT_TRUE(reference::Transcode(g, expected, v41, expected_v41, locs).ok());
   cpu::ThreadPool workers(2);
   ForEachCpuTarget([&] {
     for (const size_t misalign : {0, 24}) {
@@ -296,6 +299,13 @@ TEST(CpuStreamingTest, OutputsBeyondTheCachesGiveTheReferenceBytesAtAnyAlignment
         const std::span<uint16_t> out = AtAlignment(out_storage, rows.size(), misalign);
         ASSERT_TRUE(cpu::DequantizeGather(g, pool, locs, out, kHeadDim, threads).ok());
         EXPECT_TRUE(std::equal(out.begin(), out.end(), expected_rows.begin())) << misalign;
+        std::vector<uint8_t> transcoded_storage;
+        const std::span<uint8_t> transcoded =
+            AtAlignment(transcoded_storage, v41.pool_bytes(), misalign);
+        std::fill(transcoded.begin(), transcoded.end(), 0);
+        ASSERT_TRUE(cpu::Transcode(g, pool, v41, transcoded, locs, threads).ok());
+        EXPECT_TRUE(std::equal(transcoded.begin(), transcoded.end(), expected_v41.begin()))
+            << misalign;
       }
     }
   });

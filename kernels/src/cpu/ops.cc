@@ -166,10 +166,12 @@ absl::Status Transcode(const PoolGeometry& from, std::span<const uint8_t> src,
   KVF_RETURN_IF_ERROR(ValidateSpanBytes(dst.size(), to.pool_bytes(), "destination pool"));
   const int64_t limit = std::min(from.num_tokens(), to.num_tokens());
   KVF_RETURN_IF_ERROR(CheckLocations(locs, limit, /*unique=*/true));
-  ForEach(
-      workers, static_cast<int64_t>(locs.size()), kRowsPerTask, [&](int64_t begin, int64_t end) {
-        internal::TranscodeRows(from, src.data(), to, dst.data(), locs.data() + begin, end - begin);
-      });
+  const int64_t n = static_cast<int64_t>(locs.size());
+  const bool stream = n * GetLayoutInfo(to.layout).bytes_per_token() >= kStreamingBytes;
+  ForEach(workers, n, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    internal::TranscodeRows(from, src.data(), to, dst.data(), locs.data() + begin, end - begin,
+                            stream);
+  });
   return absl::OkStatus();
 }
 

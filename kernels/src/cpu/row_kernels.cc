@@ -818,16 +818,37 @@ void DequantizeRowsImpl(const PoolGeometry& geometry, const uint8_t* pool, const
 }
 
 void TranscodeRowsImpl(const PoolGeometry& from, const uint8_t* src, const PoolGeometry& to,
-                       uint8_t* dst, const int64_t* locs, int64_t count) {
+                       uint8_t* dst, const int64_t* locs, int64_t count, bool stream) {
   const Addressing locate_from(from), locate_to(to);
   const Fp4Tables& tables = Fp4Tables::Get();
+  const int from_data_bytes = static_cast<int>(locate_from.data_bytes);
+  const int to_data_bytes = static_cast<int>(locate_to.data_bytes);
+  const int to_scale_bytes = static_cast<int>(locate_to.scale_bytes);
   alignas(64) uint16_t row[kHeadDim];
   for (int64_t i = 0; i < count; ++i) {
+    if (i + kPrefetchRows < count) {
+      const int64_t loc = locs[i + kPrefetchRows];
+      const RecordOffsets in = locate_from(loc);
+      PrefetchRecord(src + in.data, from_data_bytes, src + in.scale, /*for_write=*/false);
+      if (!stream) {
+        const RecordOffsets out = locate_to(loc);
+        PrefetchRecord(dst + out.data, to_data_bytes, dst + out.scale, /*for_write=*/true);
+      }
+    }
     const RecordOffsets in = locate_from(locs[i]);
     const RecordOffsets out = locate_to(locs[i]);
     DequantizeRow(from.layout, src + in.data, src + in.scale, row, tables);
-    QuantizeRow(to.layout, row, dst + out.data, dst + out.scale, tables);
+    if (stream) {
+      alignas(64) uint8_t data[kNopeDim + kRopeDim * 2];
+      alignas(32) uint8_t scale[kHeadDim / 16];
+      QuantizeRow(to.layout, row, data, scale, tables);
+      StreamCopy(data, dst + out.data, to_data_bytes);
+      std::memcpy(dst + out.scale, scale, to_scale_bytes);
+    } else {
+      QuantizeRow(to.layout, row, dst + out.data, dst + out.scale, tables);
+    }
   }
+  if (stream) hwy::FlushStream();
 }
 
 // Copies `bytes` (whole bf16 values, any alignment) and says whether all were finite: the
@@ -901,8 +922,8 @@ void DequantizeRows(const PoolGeometry& geometry, const uint8_t* pool, const int
 }
 
 void TranscodeRows(const PoolGeometry& from, const uint8_t* src, const PoolGeometry& to,
-                   uint8_t* dst, const int64_t* locs, int64_t count) {
-  HWY_DYNAMIC_DISPATCH(TranscodeRowsImpl)(from, src, to, dst, locs, count);
+                   uint8_t* dst, const int64_t* locs, int64_t count, bool stream) {
+  HWY_DYNAMIC_DISPATCH(TranscodeRowsImpl)(from, src, to, dst, locs, count, stream);
 }
 
 bool CopyFinite(const uint8_t* src, uint8_t* dst, size_t bytes) {

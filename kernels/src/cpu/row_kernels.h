@@ -28,9 +28,10 @@ bool StoreCheckedRows(const PoolGeometry& geometry, const uint16_t* rows, const 
 void DequantizeRows(const PoolGeometry& geometry, const uint8_t* pool, const int64_t* locs,
                     int64_t count, uint16_t* out, int64_t out_row_stride, bool stream);
 
-// quantize_to(dequantize_from(record)) of each location, from src into dst.
+// quantize_to(dequantize_from(record)) of each location, from src into dst; `stream`: dst's
+// whole lines written with non-temporal stores (for outputs beyond the caches).
 void TranscodeRows(const PoolGeometry& from, const uint8_t* src, const PoolGeometry& to,
-                   uint8_t* dst, const int64_t* locs, int64_t count);
+                   uint8_t* dst, const int64_t* locs, int64_t count, bool stream);
 
 // Copies `bytes` from src to dst; true if every whole bf16 value among them is finite.
 bool CopyFinite(const uint8_t* src, uint8_t* dst, size_t bytes);
