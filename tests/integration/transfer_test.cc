@@ -858,6 +858,36 @@ constexpr int kFrozenPeerPages = 3000;
 std::vector<std::string> FrozenPeerFlags() {
   return {"--ucx_transports=tcp", "--peer_timeout_seconds=2"};
 }
+// b's "dst" pool deleted and made again, fresh: the pages a finished transfer filled would
+// no longer take bytes in place. Its pages.
+std::vector<v1::PageHandle> FreshDestination(Daemon& b) {
+  grpc::ClientContext ctx;
+  v1::DeletePoolRequest req;
+  req.set_name("dst");
+  v1::DeletePoolResponse resp;
+  const grpc::Status s = b.stub().DeletePool(&ctx, req, &resp);
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  testing::CreatePool(b, "dst", Layout::kV41, 64, kFrozenPeerPages, 3);
+  return AllPages(b, "dst", kFrozenPeerPages);
+}
+// Freezes `peer` (SIGSTOP) while `transfer` runs, `delay` after it starts, and wakes it when
+// the call has ended. Where the machine finishes the transfer before the freeze, it tries
+// again with the freeze earlier (`fresh` first gives the transfer new destination pages), so
+// that fast machines test the freeze too; the last call's outcome.
+template <typename Transfer, typename Fresh>
+Outcome FreezeDuring(Daemon& peer, const Transfer& transfer, const Fresh& fresh) {
+  Outcome r;
+  for (const int delay_ms : {150, 50, 15, 3}) {
+    auto call = std::async(std::launch::async, transfer);
+    std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+    kill(peer.pid(), SIGSTOP);
+    r = call.get();
+    kill(peer.pid(), SIGCONT);
+    if (!r.status.ok()) break;
+    fresh();
+  }
+  return r;
+}
 PoolPair FrozenPeerPools(Daemon& a, Daemon& b, uint64_t seed) {
   PoolPair pools = CreatePools(a, b, 64, kFrozenPeerPages, 3, kFrozenPeerPages);
   std::vector<v1::TokenLocation> where;
@@ -875,20 +905,21 @@ TEST(TransferFrozenPeerTest, ADestinationThatStopsAnsweringFailsTheCallWithinThe
   for (const bool mid_transfer : {false, true}) {
     SCOPED_TRACE(mid_transfer ? "frozen while bytes move" : "frozen before the push");
     Daemon a(FrozenPeerFlags()), b(FrozenPeerFlags());
-    const PoolPair pools = FrozenPeerPools(a, b, 6);
+    PoolPair pools = FrozenPeerPools(a, b, 6);
     const std::vector<v1::PageHandle> first(pools.src.begin(), pools.src.begin() + 64);
     const std::string src_before = ReadAll(a, "src", first);
-    if (!mid_transfer) kill(b.pid(), SIGSTOP);
-    auto call = std::async(std::launch::async,
-                           [&] { return Push(a, "src", pools.src, Address(b), "dst", pools.dst); });
+    auto push = [&] { return Push(a, "src", pools.src, Address(b), "dst", pools.dst); };
+    Outcome r;
     if (mid_transfer) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(150));
+      r = FreezeDuring(b, push, [&] { pools.dst = FreshDestination(b); });
+      if (r.status.ok()) {
+        GTEST_SKIP() << "the transfer finished before the peer froze, 3 ms in (" << r.seconds
+                     << " s)";
+      }
+    } else {
       kill(b.pid(), SIGSTOP);
-    }
-    const Outcome r = call.get();
-    kill(b.pid(), SIGCONT);
-    if (mid_transfer && r.status.ok()) {
-      GTEST_SKIP() << "the transfer finished before the peer froze (" << r.seconds << " s)";
+      r = push();
+      kill(b.pid(), SIGCONT);
     }
     EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE) << r.status.error_message();
     EXPECT_EQ(r.reason, "PEER_UNAVAILABLE");
@@ -914,14 +945,11 @@ TEST(TransferFrozenPeerTest, ADestinationThatStopsAnsweringFailsTheCallWithinThe
 // its read memory back and serves a pull of the same pages again.
 TEST(TransferFrozenPeerTest, ASourceThatStopsAnsweringFailsThePullWithinTheBound) {
   Daemon a(FrozenPeerFlags()), b(FrozenPeerFlags());
-  const PoolPair pools = FrozenPeerPools(a, b, 8);
-  auto call = std::async(std::launch::async,
-                         [&] { return Pull(b, "dst", pools.dst, Address(a), "src", pools.src); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(150));
-  kill(a.pid(), SIGSTOP);
-  const Outcome r = call.get();
-  kill(a.pid(), SIGCONT);
-  if (r.status.ok()) GTEST_SKIP() << "the pull finished before the source froze";
+  PoolPair pools = FrozenPeerPools(a, b, 8);
+  const Outcome r =
+      FreezeDuring(a, [&] { return Pull(b, "dst", pools.dst, Address(a), "src", pools.src); },
+                   [&] { pools.dst = FreshDestination(b); });
+  if (r.status.ok()) GTEST_SKIP() << "the pull finished before the source froze, 3 ms in";
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE) << r.status.error_message();
   EXPECT_EQ(r.reason, "PEER_UNAVAILABLE");
   EXPECT_LT(r.seconds, 10.0);
