@@ -2,6 +2,7 @@
 // transport: TCP, and shared memory.
 #include <sys/wait.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <fstream>
@@ -76,6 +77,10 @@ Outcome Pull(Daemon& to, const std::string& pool, const std::vector<v1::PageHand
 }
 
 // Every page of a fresh pool, in page-id order.
+// When the tests kill or freeze a transfer's peer, in ms after the call starts: the first,
+// then, where the machine finished the transfer before it, the next ones.
+constexpr std::array<int, 4> kInterruptDelaysMs = {150, 50, 15, 3};
+
 std::vector<v1::PageHandle> AllPages(Daemon& d, const std::string& pool, int count) {
   std::map<uint64_t, v1::PageHandle> by_id;
   for (const auto& h : testing::Allocate(d, pool, count)) by_id[h.page_id()] = h;
@@ -430,42 +435,51 @@ TEST_P(TransferTest, APeerKilledMidTransferFailsTheCallWithinTheBound) {
   const int kPages = 3000 * Scale();  // x 64 tokens x 528 B: ~100 MB (x Scale)
   for (const bool kill_destination : {true, false}) {
     SCOPED_TRACE(kill_destination ? "destination killed" : "source killed");
-    Daemon a(Flags()), b(Flags());
-    const PoolPair pools = CreatePools(a, b, 64, kPages, 3, kPages);
-    const std::vector<v1::PageHandle>& src = pools.src;
-    const std::vector<v1::PageHandle>& dst = pools.dst;
-    std::vector<v1::TokenLocation> where;
-    for (int i = 0; i < 64; ++i) where.push_back(Location(src[i], i % 64));
-    ASSERT_TRUE(testing::WriteTokens(a, "src", 1, where, testing::RandomRows(where.size(), 3)).ok());
-    const std::string src_before = ReadAll(a, "src", {src.begin(), src.begin() + 64});
+    // Killed once bytes are moving (the victim's staging or reads are under way): 150 ms in,
+    // and where the machine finished the transfer before that, again with new daemons and
+    // the kill earlier.
+    for (const int delay_ms : kInterruptDelaysMs) {
+      Daemon a(Flags()), b(Flags());
+      const PoolPair pools = CreatePools(a, b, 64, kPages, 3, kPages);
+      const std::vector<v1::PageHandle>& src = pools.src;
+      const std::vector<v1::PageHandle>& dst = pools.dst;
+      std::vector<v1::TokenLocation> where;
+      for (int i = 0; i < 64; ++i) where.push_back(Location(src[i], i % 64));
+      ASSERT_TRUE(
+          testing::WriteTokens(a, "src", 1, where, testing::RandomRows(where.size(), 3)).ok());
+      const std::string src_before = ReadAll(a, "src", {src.begin(), src.begin() + 64});
 
-    Daemon& survivor = kill_destination ? a : b;
-    Daemon& victim = kill_destination ? b : a;
-    // The survivor's call: a push from a when b dies, a pull into b when a dies.
-    auto call = std::async(std::launch::async, [&] {
-      return kill_destination ? Push(a, "src", src, Address(b), "dst", dst)
-                              : Pull(b, "dst", dst, Address(a), "src", src);
-    });
-    // Kill once bytes are moving (the victim's staging or reads are under way).
-    std::this_thread::sleep_for(std::chrono::milliseconds(150));
-    kill(victim.pid(), SIGKILL);
-    const Outcome r = call.get();
-    if (r.status.ok()) {
-      GTEST_SKIP() << "the transfer finished before the kill (" << r.seconds << " s)";
+      Daemon& survivor = kill_destination ? a : b;
+      Daemon& victim = kill_destination ? b : a;
+      // The survivor's call: a push from a when b dies, a pull into b when a dies.
+      auto call = std::async(std::launch::async, [&] {
+        return kill_destination ? Push(a, "src", src, Address(b), "dst", dst)
+                                : Pull(b, "dst", dst, Address(a), "src", src);
+      });
+      std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+      kill(victim.pid(), SIGKILL);
+      const Outcome r = call.get();
+      if (r.status.ok()) {
+        if (delay_ms == kInterruptDelaysMs.back()) {
+          GTEST_SKIP() << "the transfer finished before the kill (" << r.seconds << " s)";
+        }
+        continue;
+      }
+      EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE) << r.status.error_message();
+      EXPECT_EQ(r.reason, "PEER_UNAVAILABLE");
+      EXPECT_LT(r.seconds, 10.0);
+      // The survivor is unharmed and serves: its pages read as before, its staging is back.
+      if (kill_destination) {
+        EXPECT_EQ(ReadAll(a, "src", {src.begin(), src.begin() + 64}), src_before);
+      } else {
+        // Nothing was committed: every destination page still reads zero.
+        EXPECT_EQ(ReadAll(b, "dst", {dst.begin(), dst.begin() + 8}),
+                  std::string(8 * 3 * 64 * 528, '\0'));
+      }
+      EXPECT_EQ(testing::StagedBytesSettled(survivor), 0);
+      EXPECT_TRUE(survivor.Alive());
+      break;
     }
-    EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE) << r.status.error_message();
-    EXPECT_EQ(r.reason, "PEER_UNAVAILABLE");
-    EXPECT_LT(r.seconds, 10.0);
-    // The survivor is unharmed and serves: its pages read as before, its staging is back.
-    if (kill_destination) {
-      EXPECT_EQ(ReadAll(a, "src", {src.begin(), src.begin() + 64}), src_before);
-    } else {
-      // Nothing was committed: every destination page still reads zero.
-      EXPECT_EQ(ReadAll(b, "dst", {dst.begin(), dst.begin() + 8}),
-                std::string(8 * 3 * 64 * 528, '\0'));
-    }
-    EXPECT_EQ(testing::StagedBytesSettled(survivor), 0);
-    EXPECT_TRUE(survivor.Alive());
   }
 }
 
@@ -474,23 +488,31 @@ TEST_P(TransferTest, APeerKilledMidTransferFailsTheCallWithinTheBound) {
 // pages: they read zero again and take a write at once.
 TEST_P(TransferTest, ADestinationWhoseSenderIsKilledZeroesWhatLandedAndReleasesThePages) {
   const int kPages = 3000 * Scale();  // x 64 tokens x 528 B x 3 layers: ~300 MB (x Scale)
-  Daemon a(Flags()), b(Flags());
-  const PoolPair pools = CreatePools(a, b, 64, kPages, 3, kPages);
-  const std::vector<v1::PageHandle>& src = pools.src;
-  const std::vector<v1::PageHandle>& dst = pools.dst;
-  std::vector<v1::TokenLocation> where;
-  for (int i = 0; i < 256; ++i) where.push_back(Location(src[i / 64], i % 64));
-  ASSERT_TRUE(testing::WriteTokens(a, "src", 0, where, testing::RandomRows(where.size(), 4)).ok());
-  auto call = std::async(std::launch::async,
-                         [&] { return Push(a, "src", src, Address(b), "dst", dst); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(60));
-  kill(a.pid(), SIGKILL);
-  if (call.get().status.ok()) GTEST_SKIP() << "the transfer finished before the kill";
-  const std::vector<v1::PageHandle> first(dst.begin(), dst.begin() + 8);
-  EXPECT_TRUE(ReadUntilZero(b, "dst", first, 12) == std::string(8 * 3 * 64 * 528, '\0'));
-  // Not held any more: a write of one of them commits without waiting for anything.
-  EXPECT_TRUE(WriteCommitsAtOnce(b, "dst", dst[0], 10, 5));
-  EXPECT_TRUE(b.Alive());
+  // As above: 60 ms in, then earlier with new daemons where the push finished first.
+  for (const int delay_ms : {60, 15, 3}) {
+    Daemon a(Flags()), b(Flags());
+    const PoolPair pools = CreatePools(a, b, 64, kPages, 3, kPages);
+    const std::vector<v1::PageHandle>& src = pools.src;
+    const std::vector<v1::PageHandle>& dst = pools.dst;
+    std::vector<v1::TokenLocation> where;
+    for (int i = 0; i < 256; ++i) where.push_back(Location(src[i / 64], i % 64));
+    ASSERT_TRUE(
+        testing::WriteTokens(a, "src", 0, where, testing::RandomRows(where.size(), 4)).ok());
+    auto call = std::async(std::launch::async,
+                           [&] { return Push(a, "src", src, Address(b), "dst", dst); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+    kill(a.pid(), SIGKILL);
+    if (call.get().status.ok()) {
+      if (delay_ms == 3) GTEST_SKIP() << "the transfer finished before the kill";
+      continue;
+    }
+    const std::vector<v1::PageHandle> first(dst.begin(), dst.begin() + 8);
+    EXPECT_TRUE(ReadUntilZero(b, "dst", first, 12) == std::string(8 * 3 * 64 * 528, '\0'));
+    // Not held any more: a write of one of them commits without waiting for anything.
+    EXPECT_TRUE(WriteCommitsAtOnce(b, "dst", dst[0], 10, 5));
+    EXPECT_TRUE(b.Alive());
+    break;
+  }
 }
 
 std::string TransportName(const ::testing::TestParamInfo<std::string>& info) { return info.param; }
@@ -870,14 +892,14 @@ std::vector<v1::PageHandle> FreshDestination(Daemon& b) {
   testing::CreatePool(b, "dst", Layout::kV41, 64, kFrozenPeerPages, 3);
   return AllPages(b, "dst", kFrozenPeerPages);
 }
-// Freezes `peer` (SIGSTOP) while `transfer` runs, `delay` after it starts, and wakes it when
-// the call has ended. Where the machine finishes the transfer before the freeze, it tries
-// again with the freeze earlier (`fresh` first gives the transfer new destination pages), so
-// that fast machines test the freeze too; the last call's outcome.
+// Freezes `peer` (SIGSTOP) while `transfer` runs, kInterruptDelaysMs[0] after it starts, and
+// wakes it when the call has ended. Where the machine finished the transfer before the
+// freeze, it tries again with the next, earlier freeze (`fresh` first gives the transfer new
+// destination pages), so that fast machines test the freeze too; the last call's outcome.
 template <typename Transfer, typename Fresh>
 Outcome FreezeDuring(Daemon& peer, const Transfer& transfer, const Fresh& fresh) {
   Outcome r;
-  for (const int delay_ms : {150, 50, 15, 3}) {
+  for (const int delay_ms : kInterruptDelaysMs) {
     auto call = std::async(std::launch::async, transfer);
     std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
     kill(peer.pid(), SIGSTOP);
