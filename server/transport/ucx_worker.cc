@@ -7,6 +7,7 @@
 #include <uct/api/uct.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -350,6 +351,10 @@ struct Endpoint {
   ucp_ep_h ep = nullptr;  // null once closed
   std::string address;
   absl::Status error;     // set by the error handler (progress thread)
+  // Senders on it that have not ended or been abandoned: every transfer to a peer shares its
+  // endpoint, so a retired one closes only when none is left (Connect adds, the sender takes
+  // itself off).
+  std::atomic<int> senders{0};
 };
 
 struct UcxWorker::State {
@@ -371,12 +376,13 @@ struct UcxWorker::State {
   };
   std::vector<Closing> closing;
   std::vector<std::shared_ptr<Group>> receives;  // groups with receives posted
-  // Endpoints of abandoned transfers whose sends are still in flight: no new transfer uses
-  // them; each is closed once its sends end (the peer answered or failed), or by force at
-  // the deadline.
+  // Endpoints of abandoned transfers: no new transfer uses them. Each is closed when the
+  // other transfers on it have ended and the abandoned ones' sends have (the peer answered
+  // or failed), or by force once those others have ended and the deadline (the last
+  // abandonment plus the grace) has passed; at once when the peer failed.
   struct Retiring {
     std::shared_ptr<Endpoint> endpoint;
-    std::shared_ptr<Group> group;
+    std::vector<std::shared_ptr<Group>> groups;  // the abandoned transfers' sends
     absl::Time deadline;
   };
   std::vector<Retiring> retiring;
@@ -418,7 +424,15 @@ struct UcxWorker::State {
   void Retire(const std::shared_ptr<Endpoint>& e, std::shared_ptr<Group> group) {
     if (e->ep == nullptr) return;
     Forget(e);
-    retiring.push_back({e, std::move(group), absl::Now() + abandon_grace});
+    const absl::Time deadline = absl::Now() + abandon_grace;
+    for (Retiring& r : retiring) {
+      if (r.endpoint == e) {
+        r.groups.push_back(std::move(group));
+        r.deadline = deadline;
+        return;
+      }
+    }
+    retiring.push_back({e, {std::move(group)}, deadline});
   }
   // Progress thread: new transfers to the peer no longer get `e`.
   void Forget(const std::shared_ptr<Endpoint>& e) {
@@ -433,12 +447,13 @@ struct UcxWorker::State {
   void RetireEnded() {
     const absl::Time now = absl::Now();
     std::erase_if(retiring, [&](const Retiring& r) {
-      bool ended;
-      {
-        std::lock_guard lock(r.group->mu);
-        ended = r.group->inflight == 0;
-      }
       const bool failed = !r.endpoint->error.ok();
+      if (!failed && r.endpoint->senders.load() > 0) return false;  // others still use it
+      bool ended = true;
+      for (const std::shared_ptr<Group>& g : r.groups) {
+        std::lock_guard lock(g->mu);
+        ended = ended && g->inflight == 0;
+      }
       if (!ended && !failed && now < r.deadline) return false;
       Close(r.endpoint, /*force=*/!ended || failed);
       return true;
@@ -805,12 +820,14 @@ class SenderImpl final : public UcxWorker::Sender {
         group_->keep_alive = std::move(memory);
       }
     }
-    if (!busy || closed_) return;
-    closed_ = true;
-    state_->Call([&] {
-      state_->Retire(endpoint_, group_);
-      return 0;
-    });
+    if (busy && !closed_) {
+      closed_ = true;
+      state_->Call([&] {
+        state_->Retire(endpoint_, group_);
+        return 0;
+      });
+    }
+    Leave();
   }
 
   // An owner that did not abandon a failed transfer: the endpoint is closed by force and the
@@ -822,22 +839,32 @@ class SenderImpl final : public UcxWorker::Sender {
       std::lock_guard lock(group_->mu);
       busy = group_->inflight > 0;
     }
-    if (!busy || closed_) return;
-    state_->Call([&] {
-      state_->Close(endpoint_);
-      return 0;
-    });
-    std::unique_lock lock(group_->mu);
-    group_->cv.wait(lock, [&] { return group_->inflight == 0; });
+    if (busy && !closed_) {
+      state_->Call([&] {
+        state_->Close(endpoint_);
+        return 0;
+      });
+      std::unique_lock lock(group_->mu);
+      group_->cv.wait(lock, [&] { return group_->inflight == 0; });
+    }
+    Leave();
   }
 
  private:
+  // This sender no longer uses its endpoint (Endpoint::senders).
+  void Leave() {
+    if (left_) return;
+    left_ = true;
+    endpoint_->senders.fetch_sub(1);
+  }
+
   std::shared_ptr<UcxWorker::State> state_;
   std::shared_ptr<UcxWorker::Registry> registry_;
   std::shared_ptr<Endpoint> endpoint_;
   std::shared_ptr<Group> group_;
   int64_t posted_ = 0;
   bool closed_ = false;
+  bool left_ = false;
 };
 
 }  // namespace
@@ -847,7 +874,10 @@ absl::StatusOr<std::unique_ptr<UcxWorker::Sender>> UcxWorker::Connect(const std:
   absl::StatusOr<std::shared_ptr<Endpoint>> endpoint =
       state->Call([&]() -> absl::StatusOr<std::shared_ptr<Endpoint>> {
         if (auto it = state->endpoints.find(address); it != state->endpoints.end()) {
-          if (it->second->error.ok() && it->second->ep != nullptr) return it->second;
+          if (it->second->error.ok() && it->second->ep != nullptr) {
+            it->second->senders.fetch_add(1);
+            return it->second;
+          }
           state->Close(it->second);
         }
         auto e = std::make_shared<Endpoint>();
@@ -868,6 +898,7 @@ absl::StatusOr<std::unique_ptr<UcxWorker::Sender>> UcxWorker::Connect(const std:
                                     " (no transport of this daemon reaches the peer and reports "
                                     "its failure; posix and sysv alone cannot: add cma or tcp)"));
         }
+        e->senders.fetch_add(1);
         state->endpoints[address] = e;
         return e;
       });

@@ -130,11 +130,12 @@ class UcxWorker {
                                      const CancelCheck& cancelled) = 0;
     // Ends a transfer that failed or was given up, without waiting: its endpoint takes no
     // more transfers, and `memory` (what the messages still in flight lie in) is kept until
-    // UCX can read it no more. The endpoint closes once those messages end (a peer that was
-    // only slow or frozen gets them when it answers again and finds its transfer ended), or
-    // by force when the peer stays silent for UcxOptions::abandon_grace. An owner that does
-    // not call it before ending the sender has its endpoint closed by force and the messages
-    // waited for.
+    // UCX can read it no more. The endpoint (which every transfer to the peer shares) closes
+    // once the other transfers already on it have ended and those messages have (a peer that
+    // was only slow or frozen gets them when it answers again and finds its transfer ended),
+    // or by force when, the others ended, the peer stays silent for
+    // UcxOptions::abandon_grace after the last abandonment. An owner that does not call it
+    // before ending the sender has its endpoint closed by force and the messages waited for.
     virtual void Abandon(std::shared_ptr<void> memory) = 0;
   };
   // To be told of every block a backend frees (Backend::set_release_listener): the block's

@@ -182,5 +182,56 @@ TEST_F(UcxRegistrationTest, AnAbandonedTransfersMemoryLivesUntilItsMessageEnds) 
   }
 }
 
+// Every transfer to a peer shares one endpoint: one abandoned transfer must not close it
+// under another still running on it, neither when its message ends later (the endpoint then
+// closed at once) nor when nobody answers it (then closed by force after the grace time).
+TEST_F(UcxRegistrationTest, AnAbandonedTransferLeavesTheOtherTransfersOnItsEndpointAlone) {
+  for (const bool answered : {true, false}) {
+    SCOPED_TRACE(answered ? "the receiver takes the abandoned message later" : "nobody answers");
+    absl::StatusOr<std::unique_ptr<UcxWorker::Sender>> other =
+        sender_->Connect(receiver_->address());
+    ASSERT_TRUE(other.ok()) << other.status();
+    // The abandoned transfer, on the same endpoint.
+    auto src = std::make_shared<Buffer>(Block(*sender_backend_, 11));
+    Buffer dst = Block(*receiver_backend_, 12);
+    const uint64_t tag = UcxTag(++transfer_, 0);
+    {
+      absl::StatusOr<std::unique_ptr<UcxWorker::Sender>> sender =
+          sender_->Connect(receiver_->address());
+      ASSERT_TRUE(sender.ok()) << sender.status();
+      ASSERT_TRUE((*sender)->Post(tag, {src->get(), kBlockBytes}, false, src->block()).ok());
+      EXPECT_FALSE((*sender)->WaitThrough(1, absl::Milliseconds(100), nullptr).ok());
+      (*sender)->Abandon(std::move(src));
+    }
+    std::unique_ptr<UcxWorker::Receives> late;
+    if (answered) {
+      std::vector<std::vector<std::span<uint8_t>>> messages = {{{dst.get(), kBlockBytes}}};
+      absl::StatusOr<std::unique_ptr<UcxWorker::Receives>> receives =
+          receiver_->PostReceives(tag, std::move(messages), nullptr, false, {dst.block()});
+      ASSERT_TRUE(receives.ok()) << receives.status();
+      ASSERT_TRUE((*receives)->Wait(absl::Seconds(10), nullptr).ok());
+      late = std::move(*receives);
+    }
+    absl::SleepFor(absl::Milliseconds(700));  // past the grace time (500 ms)
+    // The other transfer goes on over the endpoint it has: its next message arrives whole.
+    Buffer mine = Block(*sender_backend_, 13), there = Block(*receiver_backend_, 14);
+    const uint64_t other_tag = UcxTag(++transfer_, 0);
+    std::vector<std::vector<std::span<uint8_t>>> messages = {{{there.get(), kBlockBytes}}};
+    absl::StatusOr<std::unique_ptr<UcxWorker::Receives>> receives =
+        receiver_->PostReceives(other_tag, std::move(messages), nullptr, false, {there.block()});
+    ASSERT_TRUE(receives.ok()) << receives.status();
+    const absl::Status posted = (*other)->Post(other_tag, {mine.get(), kBlockBytes}, false,
+                                               mine.block());
+    ASSERT_TRUE(posted.ok()) << posted;
+    ASSERT_TRUE((*other)->WaitThrough(1, absl::Seconds(10), nullptr).ok());
+    ASSERT_TRUE((*receives)->Wait(absl::Seconds(10), nullptr).ok());
+    EXPECT_EQ(std::memcmp(there.get(), mine.get(), kBlockBytes), 0);
+    other->reset();
+    // With no transfer left on it, the endpoint closes; new transfers get a new one.
+    Buffer next = Block(*sender_backend_, 15);
+    Move(next, next.block(), there, there.block(), 0, kBlockBytes);
+  }
+}
+
 }  // namespace
 }  // namespace kvferry::server
