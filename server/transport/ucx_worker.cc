@@ -736,6 +736,18 @@ absl::StatusOr<std::unique_ptr<UcxWorker::Receives>> UcxWorker::PostReceives(
         group->Fail(UcxError("posting a receive", UCS_PTR_STATUS(request)));
         break;
       }
+      if (request == nullptr) {
+        // Complete at once: its message had come before the receive was posted, which no
+        // sender following the protocol does (it sends after the ready). UCX 1.13 then says
+        // nothing of the message's length, so the bytes cannot be trusted: the transfer fails.
+        delete ctx;
+        std::lock_guard lock(group->mu);
+        group->Fail(Error(absl::StatusCode::kInternal, ErrorReason::kInternalError,
+                          absl::StrCat("message ", i, " of the transfer came before its "
+                                       "receive was posted (a peer that sent too early)")));
+        ++group->completed;
+        continue;
+      }
       std::lock_guard lock(group->mu);
       group->requests[i] = request;
       ++group->inflight;

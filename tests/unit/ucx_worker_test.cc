@@ -182,6 +182,31 @@ TEST_F(UcxRegistrationTest, AnAbandonedTransfersMemoryLivesUntilItsMessageEnds) 
   }
 }
 
+// A message that came before its receive was posted (a small one, sent eagerly: no sender
+// following the protocol does this) completes that receive at once, without a callback and,
+// in UCX 1.13, without its length: the receives fail at once rather than wait for a
+// completion that never comes.
+TEST_F(UcxRegistrationTest, AMessageThatCameBeforeItsReceiveFailsTheReceivesAtOnce) {
+  Buffer src = Block(*sender_backend_, 16), dst = Block(*receiver_backend_, 17);
+  constexpr size_t kSmall = 64;
+  const uint64_t tag = UcxTag(++transfer_, 0);
+  absl::StatusOr<std::unique_ptr<UcxWorker::Sender>> sender =
+      sender_->Connect(receiver_->address());
+  ASSERT_TRUE(sender.ok()) << sender.status();
+  ASSERT_TRUE((*sender)->Post(tag, {src.get(), kSmall}, false, src.block()).ok());
+  ASSERT_TRUE((*sender)->WaitThrough(1, absl::Seconds(10), nullptr).ok());
+  absl::SleepFor(absl::Milliseconds(200));  // the message reaches the receiver's worker
+  std::vector<std::vector<std::span<uint8_t>>> messages = {{{dst.get(), kSmall}}};
+  absl::StatusOr<std::unique_ptr<UcxWorker::Receives>> receives =
+      receiver_->PostReceives(tag, std::move(messages), nullptr, false, {dst.block()});
+  EXPECT_EQ(receives.status().code(), absl::StatusCode::kInternal) << receives.status();
+  EXPECT_NE(receives.status().message().find("came before its receive"), std::string::npos)
+      << receives.status();
+  // The worker serves the next transfer.
+  Buffer next = Block(*sender_backend_, 18);
+  Move(next, next.block(), dst, dst.block(), 0, kBlockBytes);
+}
+
 // Every transfer to a peer shares one endpoint: one abandoned transfer must not close it
 // under another still running on it, neither when its message ends later (the endpoint then
 // closed at once) nor when nobody answers it (then closed by force after the grace time).
