@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -16,6 +17,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/random/random.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "common/errors.h"
@@ -426,10 +428,16 @@ absl::StatusOr<std::unique_ptr<TransferEngine::Receiving>> TransferEngine::Recei
   // A host memory pool whose pages hold nothing yet receives in place instead (an I/O vector
   // over the pool's pages): no staging to fault in, no copy at the commit.
   // A GPU pool whose memory UCX moves itself from this sender is staged in device memory.
-  KVF_ASSIGN_OR_RETURN(std::unique_ptr<StagedWrite> write,
-                       StagedWrite::ForPages(pool, layout, write_limits_, static_cast<int64_t>(m),
-                                             UcxMovesMemoryOf(*pool, offer.host())));
+  // Staging pieces no larger than the whole transfer (the quota is charged for the bytes
+  // sent, so a small transfer with large messages must not take a large piece); units is
+  // pages x layers here, so the product cannot overflow.
   const int64_t page_bytes = pool->geometry().page_bytes();
+  const int64_t piece = std::max<int64_t>(
+      page_bytes, static_cast<int64_t>(std::min<uint64_t>(
+                      m, offer.units() * static_cast<uint64_t>(page_bytes))));
+  KVF_ASSIGN_OR_RETURN(std::unique_ptr<StagedWrite> write,
+                       StagedWrite::ForPages(pool, layout, write_limits_, piece,
+                                             UcxMovesMemoryOf(*pool, offer.host())));
   if (offer.page_bytes() != static_cast<uint64_t>(page_bytes)) {
     return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kLayoutMismatch,
                  absl::StrCat("the source's pages are ", offer.page_bytes(), " bytes, pool '",
@@ -642,6 +650,18 @@ absl::Status TransferEngine::Pull(const TenantAccount& tenant, const v1::PullReq
     r.set_host(ucx_->host());
     KVF_RETURN_IF_ERROR(call.Write(request));
     KVF_ASSIGN_OR_RETURN(const v1::PeerMessage offer, call.Read(v1::PeerMessage::kOffer));
+    // Each listed layer lands in the same layer here: a source that offers other layers
+    // than the request listed is refused before anything is reserved.
+    if (req.layers_size() > 0 &&
+        !std::equal(req.layers().begin(), req.layers().end(), offer.offer().layers().begin(),
+                    offer.offer().layers().end())) {
+      call.Cancel();
+      return Error(absl::StatusCode::kInternal, ErrorReason::kInternalError,
+                   absl::StrCat("the source offered layers [",
+                                absl::StrJoin(offer.offer().layers(), ","),
+                                "] for the layers asked for, [", absl::StrJoin(req.layers(), ","),
+                                "]: refused"));
+    }
     v1::PeerMessage ready;
     absl::StatusOr<std::unique_ptr<Receiving>> receiving =
         Receive(pool, pages, offer.offer(), ready.mutable_ready());

@@ -1,6 +1,10 @@
 // Pages between two real kvferryd processes over UCX (Push and Pull), on loopback, once per
 // transport: TCP, and shared memory.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <array>
 #include <atomic>
@@ -701,7 +705,9 @@ TEST(PeerHostileTest, MalformedRequestsAreRefusedBeforeAnyOffer) {
 // come, reports the sender's own status and reason at once, not its idle timeout.
 class SenderThatGivesUp final : public v1::Peer::Service {
  public:
-  explicit SenderThatGivesUp(uint64_t page_bytes) : page_bytes_(page_bytes) {}
+  // `layer`: the layer it offers (a daemon offers those asked for).
+  explicit SenderThatGivesUp(uint64_t page_bytes, uint32_t layer = 0)
+      : page_bytes_(page_bytes), layer_(layer) {}
   grpc::Status Exchange(grpc::ServerContext* context,
                         grpc::ServerReaderWriter<v1::PeerMessage, v1::PeerMessage>* stream) override {
     v1::PeerMessage request;
@@ -710,7 +716,7 @@ class SenderThatGivesUp final : public v1::Peer::Service {
     }
     v1::PeerMessage offer;
     v1::PeerOffer& o = *offer.mutable_offer();
-    o.add_layers(0);
+    o.add_layers(layer_);
     o.set_layout(v1::LAYOUT_V41);
     o.set_page_bytes(page_bytes_);
     o.set_message_bytes(page_bytes_);
@@ -728,6 +734,7 @@ class SenderThatGivesUp final : public v1::Peer::Service {
 
  private:
   const uint64_t page_bytes_;
+  const uint32_t layer_;
 };
 
 // A caller of the Peer service that offers bytes into fresh cpu pages and never sends them:
@@ -803,6 +810,41 @@ TEST(PeerHostileTest, APullsSenderThatGivesUpIsHeardWithItsReasonAtOnce) {
   // Nothing committed, the staging released, the daemon serving.
   EXPECT_EQ(testing::StagedBytesSettled(d), 0);
   EXPECT_EQ(ReadAll(d, "dst", dst), std::string(4 * PageBytes(Layout::kV41, 16), '\0'));
+  EXPECT_TRUE(d.Alive());
+}
+
+// A Pull's source that offers another layer than the one asked for: refused before the
+// pulling daemon reserves or posts anything, so no byte can land in a layer the client did
+// not name.
+TEST(PeerHostileTest, APullsSourceOfferingOtherLayersIsRefused) {
+  Daemon d({"--ucx_transports=tcp"});
+  testing::CreatePool(d, "dst", Layout::kV41, 16, 8, 2);
+  const auto dst = AllPages(d, "dst", 4);
+  SenderThatGivesUp sender(PageBytes(Layout::kV41, 16), /*layer=*/1);
+  int port = 0;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&sender);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  ASSERT_NE(port, 0);
+  auto stub = v1::Transfer::NewStub(d.channel());
+  grpc::ClientContext ctx;
+  v1::PullRequest req;
+  req.set_from_address("127.0.0.1:" + std::to_string(port));
+  req.set_from_pool("src");
+  for (const auto& p : dst) *req.add_from_pages() = p;
+  req.add_layers(0);
+  req.set_pool("dst");
+  for (const auto& p : dst) *req.add_pages() = p;
+  v1::TransferPagesResponse resp;
+  const grpc::Status status = stub->Pull(&ctx, req, &resp);
+  server->Shutdown();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INTERNAL) << status.error_message();
+  EXPECT_NE(status.error_message().find("offered layers [1]"), std::string::npos)
+      << status.error_message();
+  EXPECT_FALSE(sender.receiver_ready);
+  EXPECT_EQ(testing::StagedBytesSettled(d), 0);
+  EXPECT_EQ(ReadAll(d, "dst", dst), std::string(4 * 2 * PageBytes(Layout::kV41, 16), '\0'));
   EXPECT_TRUE(d.Alive());
 }
 
@@ -959,6 +1001,30 @@ TEST(TransferFrozenPeerTest, ADestinationThatStopsAnsweringFailsTheCallWithinThe
     EXPECT_TRUE(a.Alive());
     EXPECT_TRUE(b.Alive());
   }
+}
+
+// A peer address where the connection is taken (the kernel's backlog) but nothing ever
+// answers: the push ends UNAVAILABLE within the peer timeout, not gRPC's connect timeout.
+TEST(TransferFrozenPeerTest, APeerThatNeverAnswersTheConnectionFailsWithinTheBound) {
+  Daemon a(FrozenPeerFlags());
+  testing::CreatePool(a, "src", Layout::kV41, 16, 4);
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(fd, 16), 0);  // never accepted
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  const std::string silent = "127.0.0.1:" + std::to_string(ntohs(addr.sin_port));
+  const auto pages = AllPages(a, "src", 2);
+  const Outcome r = Push(a, "src", pages, silent, "dst", pages);
+  close(fd);
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAVAILABLE) << r.status.error_message();
+  EXPECT_EQ(r.reason, "PEER_UNAVAILABLE");
+  EXPECT_LT(r.seconds, 5.0);  // the peer timeout is 2 s
+  EXPECT_TRUE(a.Alive());
 }
 
 // The other side of it: the source of a Pull frozen while bytes move. The pulling daemon's
