@@ -700,6 +700,14 @@ TEST(PeerHostileTest, MalformedRequestsAreRefusedBeforeAnyOffer) {
   EXPECT_TRUE(d.Alive());
 }
 
+// A stand-in peer: `service` served on a loopback port (into *port).
+std::unique_ptr<grpc::Server> ServeOnLoopback(grpc::Service& service, int* port) {
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), port);
+  builder.RegisterService(&service);
+  return builder.BuildAndStart();
+}
+
 // A Pull's sender that gives up once the receiver is ready (as a daemon does whose source
 // pages vanish mid-transfer): the receiving daemon, waiting on UCX for bytes that will not
 // come, reports the sender's own status and reason at once, not its idle timeout.
@@ -794,10 +802,7 @@ TEST(PeerHostileTest, APullsSenderThatGivesUpIsHeardWithItsReasonAtOnce) {
   const auto dst = AllPages(d, "dst", 4);
   SenderThatGivesUp sender(PageBytes(Layout::kV41, 16));
   int port = 0;
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&sender);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  std::unique_ptr<grpc::Server> server = ServeOnLoopback(sender, &port);
   ASSERT_NE(port, 0);
   const Outcome r = Pull(d, "dst", dst, "127.0.0.1:" + std::to_string(port), "src", dst);
   server->Shutdown();
@@ -822,10 +827,7 @@ TEST(PeerHostileTest, APullsSourceOfferingOtherLayersIsRefused) {
   const auto dst = AllPages(d, "dst", 4);
   SenderThatGivesUp sender(PageBytes(Layout::kV41, 16), /*layer=*/1);
   int port = 0;
-  grpc::ServerBuilder builder;
-  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&sender);
-  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  std::unique_ptr<grpc::Server> server = ServeOnLoopback(sender, &port);
   ASSERT_NE(port, 0);
   auto stub = v1::Transfer::NewStub(d.channel());
   grpc::ClientContext ctx;

@@ -61,6 +61,30 @@ class UcxRegistrationTest : public ::testing::Test {
     ASSERT_EQ(std::memcmp(dst.get() + at, src.get() + at, bytes), 0);
   }
 
+  // A sender that posted `src` whole as message `tag`, which nobody has received yet; its
+  // wait for it has failed (null, the test failed, if any step went otherwise).
+  std::unique_ptr<UcxWorker::Sender> SendUnanswered(uint64_t tag, const Buffer& src) {
+    absl::StatusOr<std::unique_ptr<UcxWorker::Sender>> sender =
+        sender_->Connect(receiver_->address());
+    EXPECT_TRUE(sender.ok()) << sender.status();
+    if (!sender.ok()) return nullptr;
+    const absl::Status posted = (*sender)->Post(tag, {src.get(), kBlockBytes}, false, src.block());
+    EXPECT_TRUE(posted.ok()) << posted;
+    if (!posted.ok()) return nullptr;
+    EXPECT_FALSE((*sender)->WaitThrough(1, absl::Milliseconds(100), nullptr).ok());
+    return std::move(*sender);
+  }
+
+  // Receives message `tag` into the whole of `dst` and waits until it is in.
+  void ReceiveWhole(uint64_t tag, const Buffer& dst) {
+    std::vector<std::vector<std::span<uint8_t>>> messages = {{{dst.get(), kBlockBytes}}};
+    absl::StatusOr<std::unique_ptr<UcxWorker::Receives>> receives =
+        receiver_->PostReceives(tag, std::move(messages), nullptr, false, {dst.block()});
+    ASSERT_TRUE(receives.ok()) << receives.status();
+    const absl::Status in = (*receives)->Wait(absl::Seconds(10), nullptr);
+    ASSERT_TRUE(in.ok()) << in;
+  }
+
   std::unique_ptr<UcxWorker> receiver_, sender_;
   std::shared_ptr<Backend> receiver_backend_, sender_backend_;
   uint64_t transfer_ = 0;
@@ -157,23 +181,16 @@ TEST_F(UcxRegistrationTest, AnAbandonedTransfersMemoryLivesUntilItsMessageEnds) 
     Buffer dst = Block(*receiver_backend_, 9);
     std::vector<uint8_t> expected(src->get(), src->get() + kBlockBytes);
     const uint64_t tag = UcxTag(++transfer_, 0);
-    absl::StatusOr<std::unique_ptr<UcxWorker::Sender>> sender =
-        sender_->Connect(receiver_->address());
-    ASSERT_TRUE(sender.ok()) << sender.status();
-    ASSERT_TRUE((*sender)->Post(tag, {src->get(), kBlockBytes}, false, src->block()).ok());
-    EXPECT_FALSE((*sender)->WaitThrough(1, absl::Milliseconds(100), nullptr).ok());
+    std::unique_ptr<UcxWorker::Sender> sender = SendUnanswered(tag, *src);
+    ASSERT_NE(sender, nullptr);
     std::weak_ptr<void> memory = src;
     const absl::Time start = absl::Now();
-    (*sender)->Abandon(std::move(src));
-    sender->reset();
+    sender->Abandon(std::move(src));
+    sender.reset();
     EXPECT_LT(absl::Now() - start, absl::Milliseconds(100)) << "ending the sender waited";
     EXPECT_FALSE(memory.expired());
     if (answered) {
-      std::vector<std::vector<std::span<uint8_t>>> messages = {{{dst.get(), kBlockBytes}}};
-      absl::StatusOr<std::unique_ptr<UcxWorker::Receives>> receives =
-          receiver_->PostReceives(tag, std::move(messages), nullptr, false, {dst.block()});
-      ASSERT_TRUE(receives.ok()) << receives.status();
-      ASSERT_TRUE((*receives)->Wait(absl::Seconds(10), nullptr).ok());
+      ReceiveWhole(tag, dst);
       EXPECT_EQ(std::memcmp(dst.get(), expected.data(), kBlockBytes), 0);
     }
     EXPECT_TRUE(released(memory));
@@ -221,22 +238,11 @@ TEST_F(UcxRegistrationTest, AnAbandonedTransferLeavesTheOtherTransfersOnItsEndpo
     Buffer dst = Block(*receiver_backend_, 12);
     const uint64_t tag = UcxTag(++transfer_, 0);
     {
-      absl::StatusOr<std::unique_ptr<UcxWorker::Sender>> sender =
-          sender_->Connect(receiver_->address());
-      ASSERT_TRUE(sender.ok()) << sender.status();
-      ASSERT_TRUE((*sender)->Post(tag, {src->get(), kBlockBytes}, false, src->block()).ok());
-      EXPECT_FALSE((*sender)->WaitThrough(1, absl::Milliseconds(100), nullptr).ok());
-      (*sender)->Abandon(std::move(src));
+      std::unique_ptr<UcxWorker::Sender> sender = SendUnanswered(tag, *src);
+      ASSERT_NE(sender, nullptr);
+      sender->Abandon(std::move(src));
     }
-    std::unique_ptr<UcxWorker::Receives> late;
-    if (answered) {
-      std::vector<std::vector<std::span<uint8_t>>> messages = {{{dst.get(), kBlockBytes}}};
-      absl::StatusOr<std::unique_ptr<UcxWorker::Receives>> receives =
-          receiver_->PostReceives(tag, std::move(messages), nullptr, false, {dst.block()});
-      ASSERT_TRUE(receives.ok()) << receives.status();
-      ASSERT_TRUE((*receives)->Wait(absl::Seconds(10), nullptr).ok());
-      late = std::move(*receives);
-    }
+    if (answered) ReceiveWhole(tag, dst);
     absl::SleepFor(absl::Milliseconds(700));  // past the grace time (500 ms)
     // The other transfer goes on over the endpoint it has: its next message arrives whole.
     Buffer mine = Block(*sender_backend_, 13), there = Block(*receiver_backend_, 14);
