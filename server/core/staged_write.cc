@@ -106,8 +106,13 @@ absl::StatusOr<std::unique_ptr<StagedWrite>> StagedWrite::ForPages(std::shared_p
   const MemoryKind kind = device_staging && !pool->backend().host_memory()
                              ? MemoryKind::kDevice
                              : MemoryKind::kHostStaging;
+  // Chunks of whole pages, so that no staged page crosses two chunks: the commit then
+  // scatters from the staging where it lies (DirectPieces) instead of copying all of it into
+  // one more buffer first.
+  const int64_t page_bytes = pool->geometry().page_bytes();
+  const int64_t chunk = std::max<int64_t>(1, staging_chunk_bytes / page_bytes) * page_bytes;
   return std::unique_ptr<StagedWrite>(
-      new StagedWrite(std::move(pool), /*rows=*/false, -1, limits, staging_chunk_bytes, kind));
+      new StagedWrite(std::move(pool), /*rows=*/false, -1, limits, chunk, kind));
 }
 
 absl::Status StagedWrite::CheckGeneration(const PageHandle& page) {

@@ -871,6 +871,32 @@ TEST(CpuBackendTest, FreedStagingIsReusedStaysCountedAndGoesFirstWhenTheCapWould
             absl::StatusCode::kResourceExhausted);
 }
 
+// A pages write larger than one staging chunk (4 MiB), of pages that do not divide it: the
+// staging is made of whole pages, so the commit scatters from it where it lies. Copied
+// whole into one more buffer first (as when a page crossed two chunks), the write would not
+// fit the cap: pool 9.6 MB + staging 8.4 MB + that copy 7.5 MB = 25.4 MB against 23.1 MB.
+TEST(CpuBackendTest, APagesWriteBeyondOneStagingChunkCommitsWithoutASecondCopy) {
+  auto backend = MakeCpuBackend(1, uint64_t{22} << 20);
+  auto pool = MakePool(Layout::kV4, 64, 256, 1, backend);
+  const int64_t page_bytes = pool->geometry().page_bytes();  // 37376: no divisor of 4 MiB
+  ASSERT_NE((int64_t{4} << 20) % page_bytes, 0);
+  const auto handles = *pool->AllocatePages(200);
+  auto write = *StagedWrite::ForPages(pool, Layout::kV4, WriteLimits{});
+  std::vector<uint8_t> page(page_bytes);
+  for (size_t i = 0; i < handles.size(); ++i) {
+    std::fill(page.begin(), page.end(), static_cast<uint8_t>(i * 7 + 1));
+    ASSERT_TRUE(write->AddPageBytes(handles[i], 0, 0, page).ok());
+  }
+  const absl::StatusOr<int64_t> committed = write->Commit();
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  for (size_t i = 0; i < handles.size(); ++i) {
+    const uint8_t* at = pool->base() + handles[i].page_id * page_bytes;
+    ASSERT_TRUE(std::all_of(at, at + page_bytes,
+                            [&](uint8_t b) { return b == static_cast<uint8_t>(i * 7 + 1); }))
+        << "page " << i;
+  }
+}
+
 TEST(PoolManagerTest, NamesIncarnationsTotalsAndDeletion) {
   PoolManager manager(PoolManagerOptions{"cpu", nullptr, {}, nullptr});
   PoolConfig config{"a", Layout::kV4, 16, 4, 1};
