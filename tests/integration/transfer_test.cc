@@ -140,7 +140,11 @@ std::vector<v1::PageHandle> GoldenPool(Daemon& d, const std::string& name,
 std::string ReadAll(Daemon& d, const std::string& pool, const std::vector<v1::PageHandle>& pages,
                     std::vector<uint32_t> layers = {}) {
   std::string bytes;
-  EXPECT_TRUE(testing::ReadPages(d, pool, pages, &bytes, v1::LAYOUT_UNSPECIFIED, layers).ok());
+  std::string reason;
+  const grpc::Status s =
+      testing::ReadPages(d, pool, pages, &bytes, v1::LAYOUT_UNSPECIFIED, layers, &reason);
+  EXPECT_TRUE(s.ok()) << "reading pool '" << pool << "': " << s.error_message() << " ("
+                      << reason << ")";
   return bytes;
 }
 
