@@ -141,7 +141,11 @@ class Session {
   }
 
   void Step() {
-    switch (in_.ConsumeIntegralInRange<int>(0, 7)) {
+    static constexpr const char* kSteps[] = {"AllocatePages", "FreePages", "WriteTokens",
+                                             "WriteTokens", "WritePages", "ReadPages",
+                                             "ReadWorkspace", "a raw request"};
+    const int step = in_.ConsumeIntegralInRange<int>(0, 7);
+    switch (step) {
       case 0: Allocate(); break;
       case 1: FreeSome(); break;
       case 2: case 3: WriteTokens(); break;
@@ -150,7 +154,7 @@ class Session {
       case 6: ReadWorkspace(); break;
       default: Raw(); break;
     }
-    CheckAll();
+    CheckAll(kSteps[step]);
   }
 
  private:
@@ -358,8 +362,8 @@ class Session {
     }
   }
 
-  // Reads through the service; returns false when refused.
-  bool Read(const v1::ReadPagesRequest& req, std::string* out) {
+  // Reads through the service; returns its status (with the reason in the message).
+  grpc::Status Read(const v1::ReadPagesRequest& req, std::string* out) {
     grpc::ClientContext ctx;
     auto reader = stub_.ReadPages(&ctx, req);
     v1::PageChunk chunk;
@@ -368,7 +372,13 @@ class Session {
       if (chunk.offset() != out->size()) Fail("ReadPages chunk offset");
       *out += chunk.data();
     }
-    return reader->Finish().ok();
+    const grpc::Status s = reader->Finish();
+    if (s.ok()) return s;
+    std::string reason;
+    for (const auto& [key, value] : ctx.GetServerTrailingMetadata()) {
+      if (key == "kvferry-error-reason") reason.assign(value.data(), value.size());
+    }
+    return grpc::Status(s.error_code(), s.error_message() + " (" + reason + ")");
   }
 
   void ReadPages() {
@@ -381,7 +391,7 @@ class Session {
     req.set_transcode_to(static_cast<v1::Layout>(in_.ConsumeIntegralInRange<int>(0, in_.ConsumeBool() ? 3 : 5)));
     req.set_chunk_bytes(in_.ConsumeIntegralInRange<uint32_t>(0, 9000));
     std::string got;
-    if (!Read(req, &got)) return;
+    if (!Read(req, &got).ok()) return;
     std::vector<uint32_t> layer_list(req.layers().begin(), req.layers().end());
     if (layer_list.empty()) {
       for (int l = 0; l < mirror_->num_layers(); ++l) layer_list.push_back(l);
@@ -506,7 +516,8 @@ class Session {
   }
 
   // Every live page, every layer, as stored, equals the mirror.
-  void CheckAll() {
+  // `after`: the request just made, for the message.
+  void CheckAll(const char* after) {
     auto& live = mirror_->live();
     if (live.empty()) return;
     v1::ReadPagesRequest req;
@@ -521,8 +532,11 @@ class Session {
       }
     }
     std::string got;
-    if (!Read(req, &got)) Fail("reading every live page was refused");
-    if (got != want) Fail("the pool differs from the mirror after a request");
+    if (const grpc::Status s = Read(req, &got); !s.ok()) {
+      Fail(std::string("reading every live page was refused after ") + after + ": " +
+           s.error_message());
+    }
+    if (got != want) Fail(std::string("the pool differs from the mirror after ") + after);
   }
 
   FuzzedDataProvider& in_;
