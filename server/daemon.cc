@@ -15,6 +15,7 @@
 #include "absl/synchronization/mutex.h"
 #include "backend/backend.h"
 #include "common/log.h"
+#include "security/peer_secret.h"
 #include "service/metrics_interceptor.h"
 
 namespace kvferry::server {
@@ -137,9 +138,17 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
     d->tokens_ = tokens->get();
     d->auth_ = std::move(*tokens);
   }
+  // Transfers between daemons that authenticate their clients need the peer secret.
+  options.peer.require_secret = !options.auth_tokens_file.empty();
+  if (!options.peer.secret_file.empty()) {
+    absl::StatusOr<std::string> secret = ReadPeerSecret(options.peer.secret_file);
+    if (!secret.ok()) return secret.status();
+    options.peer.secret = *std::move(secret);
+  }
   d->security_summary_ =
       absl::StrCat("tls=", !tls ? "off" : options.tls.client_ca_file.empty() ? "on" : "mutual",
-                   " tokens=", options.auth_tokens_file.empty() ? "off" : "on");
+                   " tokens=", options.auth_tokens_file.empty() ? "off" : "on",
+                   " peer_secret=", options.peer.secret.empty() ? "off" : "on");
 
   d->default_device_ = options.default_device.empty() ? DefaultDevice() : options.default_device;
   PoolManagerOptions pool_options;
@@ -222,6 +231,15 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
                                        ucx.status().message()));
     } else {
       log::Warn("UCX could not start ({}); Push and Pull are off", ucx.status().ToString());
+    }
+  }
+  if (d->ucx_ != nullptr && options.peer.secret.empty()) {
+    if (options.peer.require_secret) {
+      log::Warn("no --peer_secret_file: Push, Pull and peer transfers are refused "
+                "(PEER_NOT_AUTHENTICATED), since clients authenticate here");
+    } else {
+      log::Warn("no --peer_secret_file: transfers connect to any UCX address a peer gives; "
+                "give the daemons a shared secret unless the network is trusted");
     }
   }
   d->transfers_ = std::make_unique<TransferEngine>(

@@ -98,6 +98,10 @@ ABSL_FLAG(double, peer_timeout_seconds, 5,
           "A Push/Pull fails UNAVAILABLE when the peer moves nothing for this long");
 ABSL_FLAG(std::string, peer_token_file, "",
           "File holding the bearer token this daemon presents to peer daemons");
+ABSL_FLAG(std::string, peer_secret_file, "",
+          "File holding the secret every daemon of the deployment shares (at least 16 bytes, "
+          "e.g. `openssl rand -hex 32`): a daemon connects its UCX only to a peer address "
+          "proven with it. Needed for Push/Pull where clients authenticate (--auth_tokens)");
 ABSL_FLAG(std::string, peer_tls_ca, "",
           "Reach peer daemons over TLS, checking their certificate against this CA (PEM); "
           "--tls_cert/--tls_key are offered to them for mutual TLS");
@@ -194,6 +198,7 @@ absl::StatusOr<DaemonOptions> OptionsFromFlags(const config::ConfigFile* file) {
   options.ucx_device_memory = absl::GetFlag(FLAGS_ucx_device_memory);
   options.peer.timeout_seconds = absl::GetFlag(FLAGS_peer_timeout_seconds);
   options.peer.token_file = absl::GetFlag(FLAGS_peer_token_file);
+  options.peer.secret_file = absl::GetFlag(FLAGS_peer_secret_file);
   options.peer.tls_ca_file = absl::GetFlag(FLAGS_peer_tls_ca);
   options.peer.tls_cert_file = options.tls.cert_file;
   options.peer.tls_key_file = options.tls.key_file;

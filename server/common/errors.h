@@ -70,7 +70,8 @@ enum class ErrorReason {
   kWorkerNotAccessible,
   kPagesBusy,
   kWriteNotFinished,
-  // 57-59: unused.
+  kPeerNotAuthenticated,
+  // 58-59: unused.
   kDaemonBudgetExhausted = 60,
   kStreamIdleTimeout = 61,
   kStreamTooLong = 62,

@@ -23,6 +23,7 @@
 #include "common/errors.h"
 #include "common/log.h"
 #include "kvferry/kernels/status_macros.h"
+#include "security/peer_secret.h"
 #include "service/convert.h"
 #include "service/status.h"
 
@@ -334,11 +335,34 @@ void TransferEngine::RefreshCredentials() {
   channels_.clear();  // new connections use the new credentials; calls in flight keep theirs
 }
 
-absl::Status TransferEngine::CheckUcx() const {
+absl::Status TransferEngine::CheckTransfers() const {
   if (ucx_ == nullptr) {
     return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kTransportUnavailable,
                  "this kvferryd runs without UCX (--ucx=false, or UCX could not start), so it "
                  "cannot move pages to or from another daemon");
+  }
+  if (options_.secret.empty() && options_.require_secret) {
+    return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kPeerNotAuthenticated,
+                 "this kvferryd authenticates its clients (--auth_tokens) but has no "
+                 "--peer_secret_file, so it could not tell a daemon's UCX address from a forged "
+                 "one: it moves no pages to or from another daemon");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status TransferEngine::CheckReady(const v1::PeerOffer& offer,
+                                        const v1::PeerReady& ready) const {
+  if (options_.secret.empty()) return absl::OkStatus();  // a daemon that trusts its network
+  if (ready.mac().empty()) {
+    return Error(absl::StatusCode::kUnauthenticated, ErrorReason::kPeerNotAuthenticated,
+                 "the receiving peer's ready carries no mac (it runs without "
+                 "--peer_secret_file): nothing was sent to the address it gave");
+  }
+  if (!PeerReadyMacMatches(ready.mac(), options_.secret, offer.nonce(), ready.transfer_id(),
+                           ready.worker_address(), ready.host(), ready.transport())) {
+    return Error(absl::StatusCode::kUnauthenticated, ErrorReason::kPeerNotAuthenticated,
+                 "the receiving peer's ready carries a wrong mac (another --peer_secret_file, or "
+                 "not a daemon of this deployment): nothing was sent to the address it gave");
   }
   return absl::OkStatus();
 }
@@ -407,6 +431,8 @@ absl::StatusOr<std::unique_ptr<Reader>> TransferEngine::Offer(
   offer->set_message_bytes(static_cast<uint64_t>(per_message * page_bytes));
   offer->set_units(pages.size() * layers.size());
   offer->set_host(ucx_->host());
+  KVF_ASSIGN_OR_RETURN(std::string nonce, PeerNonce());
+  offer->set_nonce(std::move(nonce));
   return reader;
 }
 
@@ -470,12 +496,19 @@ absl::StatusOr<std::unique_ptr<TransferEngine::Receiving>> TransferEngine::Recei
   ready->set_host(ucx_->host());
   ready->set_transfer_id(id);
   ready->set_transport(ucx_->transports());
+  if (!options_.secret.empty()) {
+    ready->set_mac(PeerReadyMac(options_.secret, offer.nonce(), id, ready->worker_address(),
+                                ready->host(), ready->transport()));
+  }
   return r;
 }
 
 absl::Status TransferEngine::SendAll(std::unique_ptr<Reader> owned, const v1::PeerOffer& offer,
                                      const v1::PeerReady& ready, bool on_device,
                                      const UcxWorker::CancelCheck& cancelled) {
+  // UCX trusts a worker address fully (a forged one crashes the process unpacking it): only
+  // an address the ready proves is a daemon's is connected to.
+  KVF_RETURN_IF_ERROR(CheckReady(offer, ready));
   KVF_ASSIGN_OR_RETURN(std::unique_ptr<UcxWorker::Sender> sender,
                        ucx_->Connect(ready.worker_address()));
   Reader& reader = *owned;
@@ -542,7 +575,7 @@ std::string TransferEngine::LastHostOf(const std::string& address) {
 
 absl::Status TransferEngine::Push(const TenantAccount& tenant, const v1::PushRequest& req,
                                   grpc::ServerContext& context, v1::TransferPagesResponse* out) {
-  KVF_RETURN_IF_ERROR(CheckUcx());
+  KVF_RETURN_IF_ERROR(CheckTransfers());
   KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Get(tenant, req.pool()));
   using Clock = std::chrono::steady_clock;
   const Clock::time_point t0 = Clock::now();
@@ -584,16 +617,16 @@ absl::Status TransferEngine::Push(const TenantAccount& tenant, const v1::PushReq
     KVF_ASSIGN_OR_RETURN(const v1::PeerMessage ready, call.Read(v1::PeerMessage::kReady));
     got_ready = Clock::now();
     from_device = UcxMovesMemoryOf(*pool, ready.ready().host());
-    {
-      kvferry::MutexLock lock(&mu_);
-      peer_hosts_[req.to_address()] = ready.ready().host();
-    }
     absl::Status sent = SendAll(std::move(reader), offer.offer(), ready.ready(), from_device,
                                 [&] { return context.IsCancelled(); });
     sent_all = Clock::now();
     if (!sent.ok()) {
       call.Cancel();
       return sent;
+    }
+    {
+      kvferry::MutexLock lock(&mu_);
+      peer_hosts_[req.to_address()] = ready.ready().host();
     }
     bytes = offer.offer().units() * offer.offer().page_bytes();
     KVF_ASSIGN_OR_RETURN(const v1::PeerMessage done, call.Read(v1::PeerMessage::kDone));
@@ -617,7 +650,7 @@ absl::Status TransferEngine::Push(const TenantAccount& tenant, const v1::PushReq
 
 absl::Status TransferEngine::Pull(const TenantAccount& tenant, const v1::PullRequest& req,
                                   grpc::ServerContext& context, v1::TransferPagesResponse* out) {
-  KVF_RETURN_IF_ERROR(CheckUcx());
+  KVF_RETURN_IF_ERROR(CheckTransfers());
   KVF_ASSIGN_OR_RETURN(const std::shared_ptr<Pool> pool, pools_->Get(tenant, req.pool()));
   KVF_ASSIGN_OR_RETURN(const std::vector<PageHandle> from_pages,
                        PagesFromProto(req.from_pages(), req.has_from_page_list(),
@@ -710,7 +743,7 @@ absl::Status TransferEngine::Serve(
     const TenantAccount& tenant, grpc::ServerContext& context,
     grpc::ServerReaderWriter<v1::PeerMessage, v1::PeerMessage>* stream,
     const std::function<void()>& progress) {
-  KVF_RETURN_IF_ERROR(CheckUcx());
+  KVF_RETURN_IF_ERROR(CheckTransfers());
   const std::string peer = context.peer();
   const double start = Seconds();
   v1::PeerMessage first;

@@ -50,6 +50,13 @@ struct PeerOptions {
   // daemon's UCX may hand to some peer directly.
   int64_t device_message_bytes = int64_t{32} << 20;
   int device_send_depth = 4;
+  // The file holding the secret the daemons of the deployment share (security/peer_secret.h);
+  // the daemon reads it into `secret` at start. A sender connects only to a UCX address
+  // whose ready proves it. Empty: no proof asked or given, and with `require_secret` (a
+  // daemon that authenticates its clients) no transfers at all.
+  std::string secret_file;
+  std::string secret;
+  bool require_secret = false;
 };
 
 // One finished transfer, for the metrics.
@@ -84,7 +91,12 @@ class TransferEngine {
 
  private:
   class Receiving;
-  absl::Status CheckUcx() const;
+  // FAILED_PRECONDITION unless this daemon moves pages between daemons (UCX on, and a peer
+  // secret where clients authenticate).
+  absl::Status CheckTransfers() const;
+  // Sender: UNAUTHENTICATED unless `ready` carries the mac of this offer's nonce and its
+  // fields under the peer secret (nothing is checked without a secret).
+  absl::Status CheckReady(const v1::PeerOffer& offer, const v1::PeerReady& ready) const;
   absl::StatusOr<std::shared_ptr<grpc::Channel>> Channel(const std::string& address);
   absl::Status AddToken(grpc::ClientContext& context) const;
   // Receiver: stages the offered pages and posts the receives; fills `ready`.

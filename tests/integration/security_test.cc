@@ -257,6 +257,8 @@ TEST(PeerTlsTest, PushBetweenMutualTlsDaemonsWithTokensLandsAndPlaintextOrAWrong
   flags.push_back("--auth_tokens=" + pki.dir + "/tokens");
   flags.push_back("--peer_tls_ca=" + pki.dir + "/ca.pem");
   flags.push_back("--ucx_transports=tcp");
+  WriteFile(pki.dir + "/peer-secret", "5d41402abc4b2a76b9719d911017c592\n");
+  flags.push_back("--peer_secret_file=" + pki.dir + "/peer-secret");
   std::vector<std::string> a_flags = flags, plain_flags = flags, wrong_flags = flags;
   a_flags.push_back("--peer_token_file=" + pki.dir + "/peer-token");
   wrong_flags.push_back("--peer_token_file=" + pki.dir + "/wrong-token");
@@ -339,6 +341,63 @@ TEST(PeerTlsTest, PushBetweenMutualTlsDaemonsWithTokensLandsAndPlaintextOrAWrong
   ASSERT_TRUE(kept.ok()) << kept.error_message() << " " << reason;
   ASSERT_TRUE(testing::ReadPages(b, "dst", {dst[2]}, &landed).ok());
   EXPECT_EQ(landed, sent);
+}
+
+// A daemon that authenticates its clients but has no peer secret could not tell a daemon's
+// UCX address from one a tenant forged: it moves no pages between daemons. Push, Pull and a
+// peer's stream are refused with a reason that says why, before any peer is reached.
+TEST(PeerSecretTest, ADaemonThatAuthenticatesClientsMovesNoPagesWithoutAPeerSecret) {
+  Pki pki;
+  WriteFile(pki.dir + "/tokens", "alice " + Sha256("tok-a") + "\n");
+  Daemon d({"--auth_tokens=" + pki.dir + "/tokens", "--ucx_transports=tcp"});
+  d.Connect(grpc::InsecureChannelCredentials(), "tok-a");
+  testing::CreatePool(d, "p", Layout::kV41, 16, 4);
+  const auto pages = testing::Allocate(d, "p", 1);
+  auto expect_refused = [](const grpc::Status& s, const std::string& reason) {
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+    EXPECT_EQ(reason, "PEER_NOT_AUTHENTICATED");
+    EXPECT_NE(s.error_message().find("--peer_secret_file"), std::string::npos) << s.error_message();
+  };
+  auto transfer = v1::Transfer::NewStub(d.channel());
+  {
+    grpc::ClientContext ctx;
+    v1::PushRequest req;
+    req.set_pool("p");
+    *req.add_pages() = pages[0];
+    req.set_to_address("127.0.0.1:1");  // nothing listens there: never reached
+    req.set_to_pool("p");
+    *req.add_to_pages() = pages[0];
+    v1::TransferPagesResponse resp;
+    const grpc::Status s = transfer->Push(&ctx, req, &resp);
+    expect_refused(s, ReasonOf(ctx));
+  }
+  {
+    grpc::ClientContext ctx;
+    v1::PullRequest req;
+    req.set_from_address("127.0.0.1:1");
+    req.set_from_pool("p");
+    *req.add_from_pages() = pages[0];
+    req.set_pool("p");
+    *req.add_pages() = pages[0];
+    v1::TransferPagesResponse resp;
+    const grpc::Status s = transfer->Pull(&ctx, req, &resp);
+    expect_refused(s, ReasonOf(ctx));
+  }
+  {
+    auto peer = v1::Peer::NewStub(d.channel());
+    grpc::ClientContext ctx;
+    auto stream = peer->Exchange(&ctx);
+    v1::PeerMessage request;
+    request.mutable_request()->set_pool("p");
+    *request.mutable_request()->add_pages() = pages[0];
+    request.mutable_request()->set_num_destination_pages(1);
+    stream->Write(request);
+    stream->WritesDone();
+    v1::PeerMessage reply;
+    EXPECT_FALSE(stream->Read(&reply)) << "no offer without a peer secret";
+    const grpc::Status s = stream->Finish();
+    expect_refused(s, ReasonOf(ctx));
+  }
 }
 
 TEST(PlaintextTest, RemotePlaintextIsRefusedWithAReasonUnlessExplicitlyAllowed) {
@@ -803,7 +862,8 @@ TEST(EchoTest, LogsCarryNoTokenAndNoForgedLine) {
   const std::string log = d.Log();
   EXPECT_NE(log.find("name=\"logged\""), std::string::npos) << log;
   EXPECT_NE(log.find("NOT_AUTHENTICATED"), std::string::npos) << "the refusal is logged";
-  EXPECT_EQ(log.find("secret"), std::string::npos) << "a token reached the log";
+  // Both tokens end "-secret" (the daemon's own words say "--peer_secret_file").
+  EXPECT_EQ(log.find("-secret"), std::string::npos) << "a token reached the log";
   EXPECT_EQ(log.find(Sha256("tok-alice-secret")), std::string::npos);
   EXPECT_NE(log.find("x0a2026-01-01"), std::string::npos) << "the name, escaped";
   std::istringstream lines(log);
