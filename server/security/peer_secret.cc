@@ -5,12 +5,11 @@
 #include <openssl/hmac.h>
 #include <openssl/rand.h>
 
-#include <fstream>
-#include <sstream>
-
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
 #include "common/errors.h"
+#include "common/files.h"
+#include "kvferry/kernels/status_macros.h"
 
 namespace kvferry::server {
 namespace {
@@ -27,14 +26,8 @@ void AppendField(std::string& out, std::string_view field) {
 }  // namespace
 
 absl::StatusOr<std::string> ReadPeerSecret(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream text;
-  if (!in || !(text << in.rdbuf())) {
-    return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
-                 absl::StrCat("cannot read the peer secret file '", path, "'"));
-  }
-  std::string secret = text.str();
-  secret.erase(std::string(absl::StripTrailingAsciiWhitespace(secret)).size());
+  KVF_ASSIGN_OR_RETURN(std::string secret, ReadFile(path, "the peer secret file"));
+  absl::StripTrailingAsciiWhitespace(&secret);
   if (secret.size() < kMinPeerSecretBytes) {
     return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
                  absl::StrCat("the peer secret file '", path, "' holds ", secret.size(),

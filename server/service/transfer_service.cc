@@ -8,10 +8,8 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
-#include <fstream>
 #include <limits>
 #include <mutex>
-#include <sstream>
 #include <thread>
 
 #include "absl/container/flat_hash_set.h"
@@ -21,6 +19,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "common/errors.h"
+#include "common/files.h"
 #include "common/log.h"
 #include "kvferry/kernels/status_macros.h"
 #include "security/peer_secret.h"
@@ -41,17 +40,6 @@ double Seconds() {
 
 absl::Status PeerUnavailable(absl::string_view what) {
   return Error(absl::StatusCode::kUnavailable, ErrorReason::kPeerUnavailable, what);
-}
-
-absl::StatusOr<std::string> ReadFile(const std::string& path, absl::string_view what) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream text;
-  text << in.rdbuf();
-  if (!in) {
-    return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
-                 absl::StrCat("cannot read ", what, " '", path, "'"));
-  }
-  return text.str();
 }
 
 // The status a peer's stream ended with, its reason read back from the trailer. A stream
