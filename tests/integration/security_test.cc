@@ -400,6 +400,36 @@ TEST(PeerSecretTest, ADaemonThatAuthenticatesClientsMovesNoPagesWithoutAPeerSecr
   }
 }
 
+// The secret file is read at start: kvferryd refuses to start with a file it cannot read or
+// one too short to be a secret, naming the file but never quoting it. A daemon with the
+// secret says so in its start-up line; one without says what that means in its log.
+TEST(PeerSecretTest, ABadSecretFileStopsTheStartAndTheLogSaysWhatTheDaemonDoes) {
+  Pki pki;
+  WriteFile(pki.dir + "/short", "only-15-bytes!!\n");
+  WriteFile(pki.dir + "/secret", "5d41402abc4b2a76b9719d911017c592\n");
+  std::string err;
+  EXPECT_NE(RunToExit({"--peer_secret_file=" + pki.dir + "/short"}, &err), 0);
+  EXPECT_NE(err.find(pki.dir + "/short"), std::string::npos) << err;
+  EXPECT_NE(err.find("holds 15 bytes"), std::string::npos) << err;
+  EXPECT_EQ(err.find("only-15"), std::string::npos) << err;
+  EXPECT_NE(RunToExit({"--peer_secret_file=" + pki.dir + "/missing"}, &err), 0);
+  EXPECT_NE(err.find("cannot read the peer secret file"), std::string::npos) << err;
+
+  Daemon with({"--log_level=info", "--ucx_transports=tcp",
+               "--peer_secret_file=" + pki.dir + "/secret"},
+              /*capture_log=*/true);
+  Daemon open({"--log_level=info", "--ucx_transports=tcp"}, /*capture_log=*/true);
+  ASSERT_EQ(with.Terminate(), 0);
+  ASSERT_EQ(open.Terminate(), 0);
+  EXPECT_NE(with.Log().find("peer_secret=on"), std::string::npos) << with.Log();
+  EXPECT_EQ(with.Log().find("no --peer_secret_file"), std::string::npos) << with.Log();
+  EXPECT_EQ(with.Log().find("5d41402abc"), std::string::npos) << "the secret reached the log";
+  EXPECT_NE(open.Log().find("peer_secret=off"), std::string::npos) << open.Log();
+  EXPECT_NE(open.Log().find("no --peer_secret_file: transfers connect to any UCX address"),
+            std::string::npos)
+      << open.Log();
+}
+
 TEST(PlaintextTest, RemotePlaintextIsRefusedWithAReasonUnlessExplicitlyAllowed) {
   std::string err;
   EXPECT_EQ(RunToExit({"--listen=0.0.0.0:0"}, &err), 1);
