@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "backend/cpu_backend.h"
+#include "common/error_reason.h"
 #include "core/pool_manager.h"
 #include "kvferry/kernels/format.h"
 #include "kvferry/kernels/ops.h"
@@ -374,11 +375,8 @@ class Session {
     }
     const grpc::Status s = reader->Finish();
     if (s.ok()) return s;
-    std::string reason;
-    for (const auto& [key, value] : ctx.GetServerTrailingMetadata()) {
-      if (key == "kvferry-error-reason") reason.assign(value.data(), value.size());
-    }
-    return grpc::Status(s.error_code(), s.error_message() + " (" + reason + ")");
+    return grpc::Status(s.error_code(),
+                        s.error_message() + " (" + kvferry::testing::ReasonOf(ctx) + ")");
   }
 
   void ReadPages() {

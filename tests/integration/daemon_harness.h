@@ -18,6 +18,7 @@
 
 #include <grpcpp/support/client_interceptor.h>
 
+#include "common/error_reason.h"
 #include "gtest/gtest.h"
 #include "kvferry/kernels/format.h"
 #include "kvferry/v1/kvferry.grpc.pb.h"
@@ -299,13 +300,6 @@ inline grpc::Status RawUnary(const std::shared_ptr<grpc::Channel>& channel, cons
   while (cq.Next(&tag, &ok)) {
   }
   return status;
-}
-
-// The error reason the daemon attached to a finished call (empty when none).
-inline std::string ReasonOf(const grpc::ClientContext& ctx) {
-  const auto& trailers = ctx.GetServerTrailingMetadata();
-  auto it = trailers.find("kvferry-error-reason");
-  return it == trailers.end() ? "" : std::string(it->second.data(), it->second.size());
 }
 
 inline v1::Layout ProtoLayout(Layout layout) {
