@@ -65,9 +65,12 @@ struct DaemonOptions {
   // clients apart. More calls on the connection wait in the client until one ends.
   int max_streams_per_connection = 64;
   // HTTP/2 keepalive: a ping after this much silence on a connection, which fails when not
-  // answered within keepalive_timeout_seconds (the connection and its calls end).
+  // answered within keepalive_timeout_seconds (the connection and its calls end). The
+  // timeout is gRPC's own default: a synchronous gRPC client answers a ping only from a
+  // thread inside one of its calls or from its backup poller (every 5 s), so a client busy
+  // between calls may take longer than 5 s; a frozen client is still found within 30 s.
   double keepalive_seconds = 10;
-  double keepalive_timeout_seconds = 5;
+  double keepalive_timeout_seconds = 20;
   // /metrics and /healthz: worker threads (connections served at once) and the longest
   // wait for a request's next bytes.
   int http_threads = 32;

@@ -74,7 +74,9 @@ ABSL_FLAG(double, max_stream_seconds, 600,
 ABSL_FLAG(double, keepalive_seconds, 10,
           "Ping a gRPC connection after this much silence; an unanswered ping ends it and its "
           "calls");
-ABSL_FLAG(double, keepalive_timeout_seconds, 5, "How long a keepalive ping may go unanswered");
+ABSL_FLAG(double, keepalive_timeout_seconds, 20,
+          "How long a keepalive ping may go unanswered (a synchronous gRPC client answers "
+          "only from inside a call or from its backup poller, every 5 s)");
 ABSL_FLAG(int32_t, http_threads, 32, "/metrics and /healthz connections served at once");
 ABSL_FLAG(double, http_read_timeout_seconds, 2,
           "/metrics and /healthz: the longest wait for a request's next bytes");

@@ -15,6 +15,7 @@
 #include <functional>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "common/random_rows.h"
 #include "daemon_harness.h"
@@ -409,6 +410,76 @@ TEST(KeepaliveTest, AFrozenClientsStreamIsReleasedWithinSeconds) {
   EXPECT_LT(seconds, 30);
   kill(child, SIGKILL);
   waitpid(child, nullptr, 0);
+}
+
+// A synchronous gRPC client answers pings only from a thread inside one of its calls, or
+// from its backup poller (every 5 s by default; off here, so that only the client's calls
+// poll). This one writes half a page, is busy elsewhere for 8 s, then writes the rest; its
+// exit status is 0 when the write committed whole, 2 when it failed. Forked before this
+// process starts any gRPC thread.
+// The daemon's port, then the page's id and generation, come through `from_parent`.
+pid_t StartBusyWriter(int from_parent, const std::vector<uint16_t>& rows) {
+  const pid_t pid = fork();
+  if (pid != 0) return pid;
+  setenv("GRPC_CLIENT_CHANNEL_BACKUP_POLL_INTERVAL_MS", "0", 1);
+  int port = 0;
+  uint64_t handle[2] = {};
+  if (read(from_parent, &port, sizeof(port)) != sizeof(port) ||
+      read(from_parent, handle, sizeof(handle)) != sizeof(handle)) {
+    _exit(1);
+  }
+  v1::PageHandle page;
+  page.set_page_id(handle[0]);
+  page.set_generation(handle[1]);
+  const std::vector<v1::TokenLocation> slots = Slots(page);
+  auto stub = v1::KvFerry::NewStub(grpc::CreateChannel("127.0.0.1:" + std::to_string(port),
+                                                       grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  v1::WriteResponse resp;
+  auto writer = stub->WriteTokens(&ctx, &resp);
+  const std::vector<uint16_t> second_half(rows.begin() + rows.size() / 2, rows.end());
+  const bool first = writer->Write(
+      RowsMessage("p", {slots.begin(), slots.begin() + slots.size() / 2}, rows));
+  std::this_thread::sleep_for(std::chrono::seconds(8));
+  v1::WriteTokensRequest last =
+      RowsMessage("", {slots.begin() + slots.size() / 2, slots.end()}, second_half);
+  last.set_finish_write(true);
+  const bool second = writer->Write(last);
+  writer->WritesDone();
+  const grpc::Status s = writer->Finish();
+  std::printf("busy writer: writes %d %d, status %d %s\n", first, second, s.error_code(),
+              s.error_message().c_str());
+  std::fflush(stdout);
+  _exit(s.ok() && resp.tokens_written() == slots.size() ? 0 : 2);
+}
+
+// Under the default keepalive timeout, a client busy between its calls for longer than the
+// old 5 s default keeps its connection and its write. (The daemon cut such a connection at
+// ping + 5 s: the TSan run of the transfer tests lost a 300 MB read to it.)
+TEST(KeepaliveTest, AClientBusyBetweenItsCallsKeepsItsConnectionUnderTheDefaultTimeout) {
+  int to_child[2];
+  ASSERT_EQ(pipe(to_child), 0);
+  const auto rows = RandomRows(64, 21);
+  const pid_t child = StartBusyWriter(to_child[0], rows);
+  ASSERT_GT(child, 0);
+  Daemon d({"--keepalive_seconds=1"});  // pinged after 1 s of silence
+  testing::CreatePool(d, "p", Layout::kV4, 64, 8);
+  testing::CreatePool(d, "reference", Layout::kV4, 64, 8);
+  const auto pages = testing::Allocate(d, "p", 1);
+  const auto reference = testing::Allocate(d, "reference", 1);
+  ASSERT_TRUE(testing::WriteTokens(d, "reference", 0, Slots(reference.at(0)), rows, 64).ok());
+  const int port = d.grpc_port();
+  const uint64_t handle[2] = {pages.at(0).page_id(), pages.at(0).generation()};
+  ASSERT_EQ(write(to_child[1], &port, sizeof(port)), static_cast<ssize_t>(sizeof(port)));
+  ASSERT_EQ(write(to_child[1], handle, sizeof(handle)), static_cast<ssize_t>(sizeof(handle)));
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the busy client's write failed (its output above)";
+  std::string written, expected;
+  ASSERT_TRUE(testing::ReadPages(d, "p", pages, &written).ok());
+  ASSERT_TRUE(testing::ReadPages(d, "reference", reference, &expected).ok());
+  EXPECT_TRUE(written == expected);
 }
 
 // ---- streams per connection, sessions and subscriptions ----------------------------------
