@@ -87,6 +87,14 @@ Outcome Pull(Daemon& to, const std::string& pool, const std::vector<v1::PageHand
 // When the tests kill or freeze a transfer's peer, in ms after the call starts: the first,
 // then, where the machine finished the transfer before it, the next ones.
 constexpr std::array<int, 4> kInterruptDelaysMs = {150, 50, 15, 3};
+// Pages (of 64 tokens) the tests that interrupt a transfer move: enough that the transfer
+// outlasts the first interruption. Under a sanitizer a third: every copy is several times
+// slower there.
+#if defined(KVFERRY_TEST_ASAN) || defined(KVFERRY_TEST_TSAN)
+constexpr int kInterruptedPages = 1000;
+#else
+constexpr int kInterruptedPages = 3000;
+#endif
 
 std::vector<v1::PageHandle> AllPages(Daemon& d, const std::string& pool, int count) {
   std::map<uint64_t, v1::PageHandle> by_id;
@@ -443,7 +451,7 @@ TEST_P(TransferTest, RefusedTransfersChangeNothingAtTheDestination) {
 // kill -9 of either side mid-transfer: the other side's call fails within the bound, its
 // pools are unharmed, its staging is released, and it keeps serving.
 TEST_P(TransferTest, APeerKilledMidTransferFailsTheCallWithinTheBound) {
-  const int kPages = 3000 * Scale();  // x 64 tokens x 528 B: ~100 MB (x Scale)
+  const int kPages = kInterruptedPages * Scale();  // x 64 tokens x 528 B x 3 layers
   for (const bool kill_destination : {true, false}) {
     SCOPED_TRACE(kill_destination ? "destination killed" : "source killed");
     // Killed once bytes are moving (the victim's staging or reads are under way): 150 ms in,
@@ -498,7 +506,7 @@ TEST_P(TransferTest, APeerKilledMidTransferFailsTheCallWithinTheBound) {
 // place, zeroes what landed once its receives end (within the bound) and releases the
 // pages: they read zero again and take a write at once.
 TEST_P(TransferTest, ADestinationWhoseSenderIsKilledZeroesWhatLandedAndReleasesThePages) {
-  const int kPages = 3000 * Scale();  // x 64 tokens x 528 B x 3 layers: ~300 MB (x Scale)
+  const int kPages = kInterruptedPages * Scale();  // x 64 tokens x 528 B x 3 layers
   // As above: 60 ms in, then earlier with new daemons where the push finished first.
   for (const int delay_ms : {60, 15, 3}) {
     Daemon a(Flags()), b(Flags());
@@ -1093,9 +1101,9 @@ TEST(TransferDeviceMemoryTest, GpuPoolsLeaveAndLandInDeviceMemoryByteForByte) {
 }
 
 // The frozen-peer tests: two daemons over tcp with a 2 s peer timeout, a pool of ~300 MB on
-// each (3000 pages x 3 layers x 64 tokens x 528 B), every page allocated, the first 64
-// source pages holding a token each.
-constexpr int kFrozenPeerPages = 3000;
+// each (3000 pages x 3 layers x 64 tokens x 528 B; a third under a sanitizer), every page
+// allocated, the first 64 source pages holding a token each.
+constexpr int kFrozenPeerPages = kInterruptedPages;
 std::vector<std::string> FrozenPeerFlags() {
   return {"--ucx_transports=tcp", "--peer_timeout_seconds=2"};
 }
