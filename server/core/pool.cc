@@ -168,8 +168,17 @@ void Pool::RenewLeases(std::span<const PageHandle> pages) {
 }
 
 absl::Status Pool::Renew(std::span<const PageHandle> pages) {
+  // The check and the renewal are one step under the lease lock, as ExpireLeases' check of
+  // a lease and its free are: a renewal that answers OK keeps its pages for a lease length.
+  const absl::Time now = absl::Now();
+  kvferry::MutexLock lock(&lease_mu_);
   for (const PageHandle& h : pages) KVF_RETURN_IF_ERROR(table_.CheckHandle(h));
-  RenewLeases(pages);
+  for (const PageHandle& h : pages) {
+    auto it = leases_.find(h.page_id);
+    if (it != leases_.end() && it->second.generation == h.generation) {
+      it->second.expiry = now + it->second.length;
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -184,12 +193,33 @@ int64_t Pool::ExpireLeases(absl::Time now) {
   int64_t freed = 0;
   for (const PageHandle& h : expired) {
     // One at a time: a page its client freed meanwhile (stale) must not keep the others.
-    if (FreePages(std::span<const PageHandle>(&h, 1)).ok()) ++freed;
-    kvferry::MutexLock lock(&lease_mu_);
-    auto it = leases_.find(h.page_id);
-    if (it != leases_.end() && it->second.generation == h.generation) leases_.erase(it);
+    // Freed only while its lease is still the one that ran out, checked under the lease
+    // lock with the free: a renewal since the list was made keeps the page.
+    std::vector<int64_t> to_zero;
+    {
+      kvferry::MutexLock lock(&lease_mu_);
+      auto it = leases_.find(h.page_id);
+      if (it == leases_.end() || it->second.generation != h.generation ||
+          it->second.expiry > now) {
+        continue;
+      }
+      leases_.erase(it);
+      absl::StatusOr<std::vector<int64_t>> released =
+          table_.Free(std::span<const PageHandle>(&h, 1));
+      if (!released.ok()) continue;  // its client freed it meanwhile
+      to_zero = *std::move(released);
+    }
+    RefundPages(1);
+    ZeroAndReclaim(std::move(to_zero)).IgnoreError();  // a failed zeroing holds the page back
+    ++freed;
   }
   return freed;
+}
+
+void Pool::RefundPages(int64_t count) {
+  if (owner_ == nullptr) return;
+  charged_pages_ -= count;
+  owner_->Refund(Resource::kPages, count);
 }
 
 absl::Status Pool::FreePages(std::span<const PageHandle> pages) {
@@ -205,10 +235,7 @@ absl::Status Pool::FreePages(std::span<const PageHandle> pages) {
     }
   }
   // Freed from here on, whatever the zeroing does: the page table holds back unzeroed pages.
-  if (owner_ != nullptr) {
-    charged_pages_ -= static_cast<int64_t>(pages.size());
-    owner_->Refund(Resource::kPages, static_cast<int64_t>(pages.size()));
-  }
+  RefundPages(static_cast<int64_t>(pages.size()));
   return ZeroAndReclaim(std::move(to_zero));
 }
 

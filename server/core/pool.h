@@ -64,9 +64,11 @@ class Pool : public std::enable_shared_from_this<Pool> {
   // handles are passed over (the read or write reports those itself).
   void RenewLeases(std::span<const PageHandle> pages) ABSL_LOCKS_EXCLUDED(lease_mu_);
   // Checks every handle (FAILED_PRECONDITION for a stale one: nothing renewed), then renews
-  // the leased ones.
+  // the leased ones. OK means every leased page lives a lease length from the call, even
+  // against an ExpireLeases running at the same time.
   absl::Status Renew(std::span<const PageHandle> pages) ABSL_LOCKS_EXCLUDED(lease_mu_);
-  // Frees the pages whose lease ran out by `now` (as FreePages); returns how many.
+  // Frees the pages whose lease ran out by `now` (as FreePages), each only while nothing
+  // renewed it since; returns how many.
   int64_t ExpireLeases(absl::Time now) ABSL_LOCKS_EXCLUDED(lease_mu_);
   // Checks every handle first (any stale or repeated: none is freed). Each page reads as
   // zeros in every layer before it is handed out again: zeroed on the device now, or, if a
@@ -107,6 +109,8 @@ class Pool : public std::enable_shared_from_this<Pool> {
   // the pages stay out of the free list (never handed out unzeroed) until a later
   // AllocatePages zeroes them.
   absl::Status ZeroAndReclaim(std::vector<int64_t> pages);
+  // `count` freed pages back to the owner's quota.
+  void RefundPages(int64_t count);
 
   const PoolConfig config_;
   const std::shared_ptr<Backend> backend_;
@@ -118,6 +122,8 @@ class Pool : public std::enable_shared_from_this<Pool> {
     absl::Duration length;
     absl::Time expiry;
   };
+  // Taken before the page table's own lock (Renew and ExpireLeases check or free handles
+  // under it), never after it.
   kvferry::Mutex lease_mu_;
   absl::flat_hash_map<uint64_t, Lease> leases_ ABSL_GUARDED_BY(lease_mu_);  // by page id
   Buffer memory_;  // [num_layers][num_pages][page_bytes]

@@ -968,6 +968,45 @@ TEST(PoolManagerTest, ConcurrentWritersOfDisjointPagesAllLandExactly) {
   EXPECT_EQ(pool->Stats().tokens_held, 8 * 256);
 }
 
+// ---- leases --------------------------------------------------------------------------------------
+
+// A renewal that answers OK keeps its page for a lease length, even while an expiry pass
+// that listed the page as run out is freeing the others: the pass frees exactly the pages
+// nobody renewed. (Before, the pass freed every page it had listed, renewed since or not,
+// and a renewal could answer OK for a page freed between its check and its renewal.)
+TEST(PoolLeaseTest, ARenewalDuringAnExpiryPassKeepsItsPage) {
+  constexpr int kPages = 4096;
+  auto pool = MakePool(Layout::kV41, 16, kPages);
+  absl::StatusOr<std::vector<PageHandle>> pages = pool->AllocatePages(kPages, absl::Milliseconds(100));
+  ASSERT_TRUE(pages.ok()) << pages.status();
+  absl::SleepFor(absl::Milliseconds(150));  // every lease has run out
+  const absl::Time now = absl::Now();
+  int64_t freed = -1;
+  std::thread pass([&] { freed = pool->ExpireLeases(now); });
+  // Every other page renewed, one call each, while the pass frees page after page.
+  std::vector<char> renewed(kPages, 0);
+  for (int i = 0; i < kPages; i += 2) {
+    renewed[i] = pool->Renew(std::span<const PageHandle>(&(*pages)[i], 1)).ok();
+  }
+  pass.join();
+  int64_t kept = 0;
+  for (int i = 0; i < kPages; ++i) {
+    const bool live = pool->table().CheckHandle((*pages)[i]).ok();
+    if (renewed[i]) {
+      EXPECT_TRUE(live) << "page " << i << " was renewed (OK), then freed";
+      ++kept;
+    } else {
+      EXPECT_FALSE(live) << "page " << i << " was not renewed, yet kept";
+    }
+  }
+  EXPECT_EQ(freed, kPages - kept);
+  EXPECT_EQ(pool->Stats().pages_used, kept);
+  // The renewed leases run out in their turn.
+  EXPECT_EQ(pool->ExpireLeases(now), 0);
+  EXPECT_EQ(pool->ExpireLeases(absl::Now() + absl::Seconds(1)), kept);
+  EXPECT_EQ(pool->Stats().pages_used, 0);
+}
+
 // ---- tenants -------------------------------------------------------------------------------------
 
 TEST(TenantTest, PoolsAreNamespacedByTenantAndInvisibleToOthers) {
