@@ -444,11 +444,11 @@ absl::StatusOr<std::unique_ptr<TransferEngine::Receiving>> TransferEngine::Recei
   // A GPU pool whose memory UCX moves itself from this sender is staged in device memory.
   // Staging pieces no larger than the whole transfer (the quota is charged for the bytes
   // sent, so a small transfer with large messages must not take a large piece); units is
-  // pages x layers here, so the product cannot overflow.
+  // pages x layers here, so the product cannot overflow. ForPages rounds a piece to whole
+  // pages, at least one.
   const int64_t page_bytes = pool->geometry().page_bytes();
-  const int64_t piece = std::max<int64_t>(
-      page_bytes, static_cast<int64_t>(std::min<uint64_t>(
-                      m, offer.units() * static_cast<uint64_t>(page_bytes))));
+  const int64_t piece = static_cast<int64_t>(
+      std::min<uint64_t>(m, offer.units() * static_cast<uint64_t>(page_bytes)));
   KVF_ASSIGN_OR_RETURN(std::unique_ptr<StagedWrite> write,
                        StagedWrite::ForPages(pool, layout, write_limits_, piece,
                                              UcxMovesMemoryOf(*pool, offer.host())));
