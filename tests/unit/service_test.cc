@@ -5,6 +5,7 @@
 #include <xxhash.h>
 
 #include "backend/cpu_backend.h"
+#include "common/error_reason.h"
 #include "common/errors.h"
 #include "common/fault_backend.h"
 #include "common/random_rows.h"
@@ -88,9 +89,7 @@ class ServiceTest : public ::testing::Test {
     writer->Write(msg);
     writer->WritesDone();
     grpc::Status s = writer->Finish();
-    const auto& t = ctx.GetServerTrailingMetadata();
-    auto it = t.find(kErrorReasonKey);
-    return {s, it == t.end() ? "" : std::string(it->second.data(), it->second.size())};
+    return {s, testing::ReasonOf(ctx)};
   }
   v1::WriteTokensRequest Rows(std::vector<v1::TokenLocation> where, uint64_t seed) {
     v1::WriteTokensRequest msg;
@@ -133,7 +132,7 @@ TEST_F(ServiceTest, EveryErrorCarriesAReasonTrailerNamingAnEnumValue) {
   req.set_name("q");
   v1::Pool pool;
   EXPECT_EQ(stub_->CreatePool(&ctx, req, &pool).error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_EQ(ctx.GetServerTrailingMetadata().find(kErrorReasonKey)->second, "INVALID_LAYOUT");
+  EXPECT_EQ(testing::ReasonOf(ctx), "INVALID_LAYOUT");
 }
 
 TEST_F(ServiceTest, DeviceFailureAtCommitIsInternalWithDeviceErrorAndStoresNothing) {
@@ -194,10 +193,7 @@ TEST(ServiceAuthTest, ARefusedCallerGetsUnauthenticatedAndReachesNothing) {
   auto stub = v1::KvFerry::NewStub(server->InProcessChannel(grpc::ChannelArguments()));
   auto expect_refused = [](const grpc::Status& s, const grpc::ClientContext& ctx) {
     EXPECT_EQ(s.error_code(), grpc::StatusCode::UNAUTHENTICATED);
-    const auto& t = ctx.GetServerTrailingMetadata();
-    auto it = t.find(kErrorReasonKey);
-    ASSERT_NE(it, t.end());
-    EXPECT_EQ(std::string(it->second.data(), it->second.size()), "NOT_AUTHENTICATED");
+    EXPECT_EQ(testing::ReasonOf(ctx), "NOT_AUTHENTICATED");
   };
   {
     grpc::ClientContext ctx;
