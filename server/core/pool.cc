@@ -158,6 +158,10 @@ absl::StatusOr<std::vector<PageHandle>> Pool::AllocatePages(int64_t count, absl:
 void Pool::RenewLeases(std::span<const PageHandle> pages) {
   const absl::Time now = absl::Now();
   kvferry::MutexLock lock(&lease_mu_);
+  RenewLocked(pages, now);
+}
+
+void Pool::RenewLocked(std::span<const PageHandle> pages, absl::Time now) {
   if (leases_.empty()) return;
   for (const PageHandle& h : pages) {
     auto it = leases_.find(h.page_id);
@@ -173,12 +177,7 @@ absl::Status Pool::Renew(std::span<const PageHandle> pages) {
   const absl::Time now = absl::Now();
   kvferry::MutexLock lock(&lease_mu_);
   for (const PageHandle& h : pages) KVF_RETURN_IF_ERROR(table_.CheckHandle(h));
-  for (const PageHandle& h : pages) {
-    auto it = leases_.find(h.page_id);
-    if (it != leases_.end() && it->second.generation == h.generation) {
-      it->second.expiry = now + it->second.length;
-    }
-  }
+  RenewLocked(pages, now);
   return absl::OkStatus();
 }
 

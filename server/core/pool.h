@@ -111,6 +111,9 @@ class Pool : public std::enable_shared_from_this<Pool> {
   absl::Status ZeroAndReclaim(std::vector<int64_t> pages);
   // `count` freed pages back to the owner's quota.
   void RefundPages(int64_t count);
+  // Renews the leased pages of `pages` (others passed over) to `now` + their length.
+  void RenewLocked(std::span<const PageHandle> pages, absl::Time now)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(lease_mu_);
 
   const PoolConfig config_;
   const std::shared_ptr<Backend> backend_;
