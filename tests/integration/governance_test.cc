@@ -415,9 +415,9 @@ TEST(KeepaliveTest, AFrozenClientsStreamIsReleasedWithinSeconds) {
 // A synchronous gRPC client answers pings only from a thread inside one of its calls, or
 // from its backup poller (every 5 s by default; off here, so that only the client's calls
 // poll). This one writes half a page, is busy elsewhere for 8 s, then writes the rest; its
-// exit status is 0 when the write committed whole, 2 when it failed. Forked before this
-// process starts any gRPC thread.
-// The daemon's port, then the page's id and generation, come through `from_parent`.
+// exit status is 0 when the write committed whole, 2 when it failed. The daemon's port, then
+// the page's id and generation, come through `from_parent`. Forked before this process
+// starts any gRPC thread.
 pid_t StartBusyWriter(int from_parent, const std::vector<uint16_t>& rows) {
   const pid_t pid = fork();
   if (pid != 0) return pid;

@@ -1103,7 +1103,6 @@ TEST(TransferDeviceMemoryTest, GpuPoolsLeaveAndLandInDeviceMemoryByteForByte) {
 // The frozen-peer tests: two daemons over tcp with a 2 s peer timeout, a pool of ~300 MB on
 // each (3000 pages x 3 layers x 64 tokens x 528 B; a third under a sanitizer), every page
 // allocated, the first 64 source pages holding a token each.
-constexpr int kFrozenPeerPages = kInterruptedPages;
 std::vector<std::string> FrozenPeerFlags() {
   return {"--ucx_transports=tcp", "--peer_timeout_seconds=2"};
 }
@@ -1116,8 +1115,8 @@ std::vector<v1::PageHandle> FreshDestination(Daemon& b) {
   v1::DeletePoolResponse resp;
   const grpc::Status s = b.stub().DeletePool(&ctx, req, &resp);
   EXPECT_TRUE(s.ok()) << s.error_message();
-  testing::CreatePool(b, "dst", Layout::kV41, 64, kFrozenPeerPages, 3);
-  return AllPages(b, "dst", kFrozenPeerPages);
+  testing::CreatePool(b, "dst", Layout::kV41, 64, kInterruptedPages, 3);
+  return AllPages(b, "dst", kInterruptedPages);
 }
 // Freezes `peer` (SIGSTOP) while `transfer` runs, kInterruptDelaysMs[0] after it starts, and
 // wakes it when the call has ended. Where the machine finished the transfer before the
@@ -1138,7 +1137,7 @@ Outcome FreezeDuring(Daemon& peer, const Transfer& transfer, const Fresh& fresh)
   return r;
 }
 PoolPair FrozenPeerPools(Daemon& a, Daemon& b, uint64_t seed) {
-  PoolPair pools = CreatePools(a, b, 64, kFrozenPeerPages, 3, kFrozenPeerPages);
+  PoolPair pools = CreatePools(a, b, 64, kInterruptedPages, 3, kInterruptedPages);
   std::vector<v1::TokenLocation> where;
   for (int i = 0; i < 64; ++i) where.push_back(Location(pools.src[i], i));
   EXPECT_TRUE(testing::WriteTokens(a, "src", 0, where, testing::RandomRows(where.size(), seed)).ok());
@@ -1232,8 +1231,8 @@ TEST(TransferFrozenPeerTest, ASourceThatStopsAnsweringFailsThePullWithinTheBound
   EXPECT_TRUE(ReadUntilZero(b, "dst", dst_first, 8) == std::string(8 * 3 * 64 * 528, '\0'));
   EXPECT_EQ(testing::StagedBytesSettled(b), 0);
   // Woken, the source serves the same pages whole.
-  testing::CreatePool(b, "again", Layout::kV41, 64, kFrozenPeerPages, 3);
-  const auto again = AllPages(b, "again", kFrozenPeerPages);
+  testing::CreatePool(b, "again", Layout::kV41, 64, kInterruptedPages, 3);
+  const auto again = AllPages(b, "again", kInterruptedPages);
   const Outcome second = Pull(b, "again", again, Address(a), "src", pools.src);
   ASSERT_TRUE(second.status.ok()) << second.status.error_message();
   EXPECT_TRUE(ReadAll(b, "again", again) == ReadAll(a, "src", pools.src));
