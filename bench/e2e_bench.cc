@@ -4,6 +4,7 @@
 // the same process, measured in the same run).
 //
 // Usage: e2e_bench [--device cpu|cuda:0] [--tokens-per-stream N] [--reps R] [--rounds K]
+//                  [--streams 1,4,16] [--ops WriteTokens,ReadWorkspace,ReadPages]
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_split.h"
 #include "common/random_rows.h"
 #include "daemon.h"
 #include "kvferry/v1/kvferry.grpc.pb.h"
@@ -94,11 +96,21 @@ int Main(int argc, char** argv) {
   int64_t tokens = 16384;  // per stream per call
   int reps = 3;
   int rounds = 5;
+  std::vector<int> stream_counts = {1, 4, 16};
+  std::vector<std::string> ops = {"WriteTokens", "ReadWorkspace", "ReadPages"};
   for (int i = 1; i + 1 < argc; i += 2) {
     if (!std::strcmp(argv[i], "--rounds")) rounds = std::max(1, std::atoi(argv[i + 1]));
     if (!std::strcmp(argv[i], "--device")) device = argv[i + 1];
     if (!std::strcmp(argv[i], "--tokens-per-stream")) tokens = std::atoll(argv[i + 1]);
     if (!std::strcmp(argv[i], "--reps")) reps = std::atoi(argv[i + 1]);
+    if (!std::strcmp(argv[i], "--streams")) {
+      stream_counts.clear();
+      const std::vector<std::string> counts = absl::StrSplit(argv[i + 1], ',', absl::SkipEmpty());
+      for (const std::string& n : counts) {
+        stream_counts.push_back(std::clamp(std::atoi(n.c_str()), 1, 16));
+      }
+    }
+    if (!std::strcmp(argv[i], "--ops")) ops = absl::StrSplit(argv[i + 1], ',', absl::SkipEmpty());
   }
   server::DaemonOptions options;
   options.listen = "127.0.0.1:0";
@@ -175,8 +187,9 @@ int Main(int argc, char** argv) {
               device.c_str(), kPageSize, (long long)tokens, reps, rounds);
   std::printf("| op | streams | kvferryd tokens/s | kvferryd GB/s | null-stream GB/s (ceiling) | fraction |\n"
               "|---|---|---|---|---|---|\n");
-  for (int streams : {1, 4, 16}) {
-    for (const char* op : {"WriteTokens", "ReadWorkspace", "ReadPages"}) {
+  for (int streams : stream_counts) {
+    for (const std::string& op_name : ops) {
+      const char* op = op_name.c_str();
       // kvferryd and the null service alternate for `rounds` rounds; each side's median
       // round is reported, so drift of the machine affects both alike.
       std::vector<double> times[2];
