@@ -48,6 +48,7 @@ const char* OpName(const Op& op) {
     const char* operator()(const ZeroPagesOp&) const { return "zero_pages"; }
     const char* operator()(const CompressOp&) const { return "compress"; }
     const char* operator()(const ExpandBlockIndicesParams&) const { return "expand_indices"; }
+    const char* operator()(const CopyRecordsParams&) const { return "copy_records"; }
   };
   return std::visit(Namer{}, op);
 }

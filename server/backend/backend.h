@@ -96,7 +96,7 @@ struct CompressOp {
 
 using Op = std::variant<CopyOp, FillZeroOp, QuantizeStoreParams, DequantizeGatherParams,
                         TranscodeParams, GatherPagesOp, ScatterPagesOp, ZeroPagesOp, CompressOp,
-                        ExpandBlockIndicesParams>;
+                        ExpandBlockIndicesParams, CopyRecordsParams>;
 
 // The name of an op's kind ("quantize_store", ...), for metrics and fault injection.
 const char* OpName(const Op& op);

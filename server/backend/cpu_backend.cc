@@ -69,6 +69,12 @@ struct HostRunner {
     return cpu::Transcode(p.from, Span(p.src, p.from.pool_bytes()), p.to,
                           Span(p.dst, p.to.pool_bytes()), Span(p.locs, p.num_tokens), workers);
   }
+  absl::Status operator()(const CopyRecordsParams& p) const {
+    return cpu::CopyRecords(p.from, Span(p.src, p.from.pool_bytes()),
+                            Span(p.src_locs, p.src_locs != nullptr ? p.num_tokens : 0), p.to,
+                            Span(p.dst, p.to.pool_bytes()), Span(p.dst_locs, p.num_tokens),
+                            workers);
+  }
   absl::Status operator()(const GatherPagesOp& op) const {
     const PageCopyParams& p = op.params;
     if (p.buffer_pages != nullptr) return NotOnHost("pages copied in place");

@@ -236,6 +236,12 @@ struct Launcher {
   absl::Status operator()(const ExpandBlockIndicesParams& p) const {
     return cuda::ExpandBlockIndices(p, stream);
   }
+  // Staged records exist only on host memory pools (a cuda pool's writes stage bf16 rows
+  // and quantize them on the device).
+  absl::Status operator()(const CopyRecordsParams&) const {
+    return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kUnknownDevice,
+                 "copying stored records runs on host memory pools only");
+  }
 };
 
 class CudaBackend final : public Backend {

@@ -86,8 +86,8 @@ absl::Status BlockPut::AddRows(const std::string& key, int64_t layer, int64_t fi
   if (write == nullptr) {
     KVF_ASSIGN_OR_RETURN(write, StagedWrite::ForRows(target_.pool, layer, limits_));
   }
-  int64_t staged = 0;
-  for (const auto& w : writes_) staged += w != nullptr ? w->staged_bytes() : 0;
+  int64_t staged = 0;  // bytes of rows
+  for (const auto& w : writes_) staged += w != nullptr ? w->staged_rows() * kBf16RowBytes : 0;
   if (staged + static_cast<int64_t>(rows.size()) > limits_.max_bytes) {
     return Error(absl::StatusCode::kResourceExhausted, ErrorReason::kWriteTooLarge,
                  absl::StrCat("put of more than ", limits_.max_bytes,

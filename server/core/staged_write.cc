@@ -89,8 +89,13 @@ absl::StatusOr<std::unique_ptr<StagedWrite>> StagedWrite::ForRows(std::shared_pt
                                                                   int64_t layer,
                                                                   WriteLimits limits) {
   KVF_RETURN_IF_ERROR(pool->CheckLayer(layer));
+  // On a host memory pool the arena holds records, in chunks of whole pages (RecordChunk).
+  const int64_t page_bytes = RecordGeometry(pool->geometry(), 0).page_bytes();
+  const int64_t chunk = pool->backend().host_memory()
+                            ? std::max<int64_t>(1, StagingArena::kChunkBytes / page_bytes) * page_bytes
+                            : StagingArena::kChunkBytes;
   return std::unique_ptr<StagedWrite>(
-      new StagedWrite(std::move(pool), /*rows=*/true, static_cast<int>(layer), limits));
+      new StagedWrite(std::move(pool), /*rows=*/true, static_cast<int>(layer), limits, chunk));
 }
 
 absl::StatusOr<std::unique_ptr<StagedWrite>> StagedWrite::ForPages(std::shared_ptr<Pool> pool,
@@ -164,6 +169,11 @@ absl::Status StagedWrite::AddRows(std::span<const TokenLocation> locations,
     }
   }
   if (n == 0) return absl::OkStatus();
+  if (records_) {
+    KVF_RETURN_IF_ERROR(StageRecords(staged, rows));
+    tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
+    return absl::OkStatus();
+  }
   // The rows are checked finite as they are copied into the staging, in one pass; a NaN or
   // Inf gives the message's staging back, and a message that also finds no staging gets the
   // NaN's error (as when the check came first).
@@ -182,6 +192,69 @@ absl::Status StagedWrite::AddRows(std::span<const TokenLocation> locations,
                  "the staging copy found a value that is not finite where the check finds none");
   }
   tokens_.insert(tokens_.end(), tokens.begin(), tokens.end());
+  return absl::OkStatus();
+}
+
+// Quantizes one message's rows, staged rows [first, first + n), into the records of the
+// arena: the finite check and the scales in one pass over the rows, the coding in a second
+// while they are in cache (cpu::QuantizeStore), split across the backend's workers.
+absl::Status StagedWrite::StageRecords(int64_t first, std::span<const uint8_t> rows) {
+  const int64_t n = static_cast<int64_t>(rows.size()) / kBf16RowBytes;
+  const PoolGeometry chunk = RecordChunk();
+  const int64_t page_size = chunk.page_size;
+  // The arena holds whole pages of records: those of the rows staged so far.
+  const int64_t pages_before = (first + page_size - 1) / page_size;
+  const int64_t pages_after = (first + n + page_size - 1) / page_size;
+  auto not_finite = [&] {
+    return WithReason(ValidateFiniteBytes(rows, first), ErrorReason::kNonFiniteValue);
+  };
+  // The charge is the records' bytes, whatever the staging pages round up to.
+  TenantAccount* const owner = pool_->owner().get();
+  const int64_t charge = n * GetLayoutInfo(chunk.layout).bytes_per_token();
+  absl::Status charged = owner != nullptr ? owner->Charge(Resource::kStagedWriteBytes, charge)
+                                          : absl::OkStatus();
+  const int64_t size_before = arena_.size();
+  if (charged.ok() && pages_after > pages_before) {
+    charged = arena_.Reserve((pages_after - pages_before) * chunk.page_bytes()).status();
+    if (!charged.ok() && owner != nullptr) owner->Refund(Resource::kStagedWriteBytes, charge);
+  }
+  if (!charged.ok()) {
+    KVF_RETURN_IF_ERROR(not_finite());  // a NaN's error first, as when rows are staged
+    return charged;
+  }
+  // Row bytes of a message at an odd address (protobuf keeps them at the start of a heap
+  // block, so never in practice) are copied to an aligned buffer first.
+  std::vector<uint16_t> aligned;
+  const uint16_t* from = reinterpret_cast<const uint16_t*>(rows.data());
+  if (reinterpret_cast<uintptr_t>(rows.data()) % alignof(uint16_t) != 0) {
+    aligned.resize(rows.size() / sizeof(uint16_t));
+    std::memcpy(aligned.data(), rows.data(), rows.size());
+    from = aligned.data();
+  }
+  const int64_t per_chunk = chunk.num_tokens();
+  std::vector<int64_t> locs(static_cast<size_t>(n));
+  std::vector<Op> ops;
+  for (int64_t i = 0; i < n;) {
+    const int64_t token = first + i;
+    const int64_t in_chunk = token % per_chunk;
+    const int64_t count = std::min(n - i, per_chunk - in_chunk);
+    for (int64_t k = 0; k < count; ++k) locs[static_cast<size_t>(i + k)] = in_chunk + k;
+    QuantizeStoreParams store;
+    store.geometry = chunk;
+    store.rows = from + i * kHeadDim;
+    store.locs = locs.data() + i;
+    store.num_tokens = count;
+    store.pool = arena_.At(token / per_chunk * arena_.chunk_bytes());
+    ops.push_back(store);
+    i += count;
+  }
+  if (const absl::Status stored = pool_->RunTimed("quantize_store", ops); !stored.ok()) {
+    arena_.Truncate(size_before);
+    if (owner != nullptr) owner->Refund(Resource::kStagedWriteBytes, charge);
+    KVF_RETURN_IF_ERROR(not_finite());
+    return stored;
+  }
+  records_charged_ += charge;
   return absl::OkStatus();
 }
 
@@ -331,6 +404,9 @@ StagedWrite::PageColumns StagedWrite::Columns() const {
 }
 
 StagedWrite::~StagedWrite() {
+  if (records_charged_ > 0 && pool_->owner() != nullptr) {
+    pool_->owner()->Refund(Resource::kStagedWriteBytes, records_charged_);
+  }
   if (!in_place_pin_) return;
   // The pairs held no record when the write began: zero is what they held.
   const std::vector<int64_t> ids = Columns().flat_ids;
@@ -374,25 +450,29 @@ absl::StatusOr<int64_t> StagedWrite::CommitRows() {
   const int64_t n = static_cast<int64_t>(tokens_.size());
   if (n == 0) return 0;
   const PoolGeometry g = pool_->geometry();
-  QuantizeStoreParams store;
-  store.geometry = g;
-  store.pool = pool_->base() + static_cast<int64_t>(layer_) * g.pool_bytes();
-  store.rows_checked_finite = true;  // AddRows refused any row holding NaN or Inf
+  uint8_t* const layer_base = pool_->base() + static_cast<int64_t>(layer_) * g.pool_bytes();
   std::vector<Op> ops;
   Buffer staging;
-  if (pool_->backend().host_memory()) {
-    // The backend reads host memory: each chunk of the arena (whole rows) is stored from
-    // where it was staged, with no copy of the rows.
-    int64_t row = 0;
-    for (const std::span<uint8_t> piece : arena_.Pieces(0, arena_.size())) {
-      store.rows = reinterpret_cast<const uint16_t*>(piece.data());
-      store.locs = tokens_.data() + row;
-      store.num_tokens = static_cast<int64_t>(piece.size()) / kBf16RowBytes;
-      row += store.num_tokens;
-      ops.push_back(store);
+  if (records_) {
+    // Host memory pool: the records staged as the rows arrived move to their locations,
+    // one op per chunk of the arena.
+    const PoolGeometry chunk = RecordChunk();
+    for (int64_t first = 0; first < n; first += chunk.num_tokens()) {
+      CopyRecordsParams move;
+      move.from = chunk;
+      move.src = arena_.At(first / chunk.num_tokens() * arena_.chunk_bytes());
+      move.to = g;
+      move.dst = layer_base;
+      move.dst_locs = tokens_.data() + first;
+      move.num_tokens = std::min(chunk.num_tokens(), n - first);
+      ops.push_back(move);
     }
   } else {
-    // Device staging: [rows | token indices].
+    // Device staging: [rows | token indices], stored with one op.
+    QuantizeStoreParams store;
+    store.geometry = g;
+    store.pool = layer_base;
+    store.rows_checked_finite = true;  // AddRows refused any row holding NaN or Inf
     int64_t locs_at = 0;
     KVF_ASSIGN_OR_RETURN(staging, StageOnDevice(tokens_, &locs_at));
     store.rows = staging.get<uint16_t>();
@@ -404,7 +484,7 @@ absl::StatusOr<int64_t> StagedWrite::CommitRows() {
   std::vector<PageHandle> handles;
   for (const auto& [page, generation] : generations_) handles.push_back({page, generation});
   KVF_ASSIGN_OR_RETURN(const PageTable::Pin pin, pool_->table().PinLayer(handles, layer_));
-  const absl::Status stored = pool_->RunTimed("quantize_store", ops);
+  const absl::Status stored = pool_->RunTimed(records_ ? "copy_records" : "quantize_store", ops);
   pool_->Unpin(pin, stored.ok() ? layer_ : -1, stored.ok() ? std::span<const int64_t>(tokens_)
                                                            : std::span<const int64_t>());
   KVF_RETURN_IF_ERROR(stored);

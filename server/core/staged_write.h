@@ -1,5 +1,9 @@
-// A write staged whole before it touches the pool: bf16 rows (quantized on commit) or raw
-// page bytes (copied on commit), in one host staging arena per write.
+// A write staged whole before it touches the pool: bf16 rows or raw page bytes, in one
+// staging arena per write. Rows for a pool in device memory are staged as they are and
+// quantized on the device at commit; rows for a pool in host memory (cpu) are quantized
+// into staged records as each message arrives (on the backend's workers, while the next
+// message is still on the wire), and the commit only moves those records to their
+// locations. Page bytes are copied on commit.
 //
 // Add() validates each piece as it arrives (shapes, handles, slots, repeats, NaN/Inf,
 // limits) and appends it to the arena. Commit() checks the handles again, copies the arena
@@ -124,7 +128,12 @@ class StagedWrite {
   absl::StatusOr<int64_t> Commit();
 
   Pool& pool() { return *pool_; }
-  int64_t staged_bytes() const { return arena_.size(); }
+  // The bytes staged, as charged to the pool's owner: rows or page bytes as they arrived,
+  // or, on a host memory pool, the records the rows were quantized to (bytes_per_token
+  // each).
+  int64_t staged_bytes() const { return records_ ? records_charged_ : arena_.size(); }
+  // Rows write: the rows staged so far.
+  int64_t staged_rows() const { return static_cast<int64_t>(tokens_.size()); }
   // Whether the staging is device memory (ForPages with `device_staging` on a GPU pool).
   bool device_staging() const { return arena_.kind() == MemoryKind::kDevice; }
 
@@ -138,13 +147,28 @@ class StagedWrite {
               int64_t staging_chunk_bytes = StagingArena::kChunkBytes,
               MemoryKind staging_kind = MemoryKind::kHostStaging)
       : pool_(std::move(pool)), rows_(rows), layer_(layer), limits_(limits),
-        arena_(&pool_->backend(), pool_->owner().get(), staging_chunk_bytes, staging_kind) {}
+        records_(rows && pool_->backend().host_memory()),
+        // Staged records are charged per record (records_charged_), not per staging page.
+        arena_(&pool_->backend(), records_ ? nullptr : pool_->owner().get(), staging_chunk_bytes,
+               staging_kind) {}
   absl::Status CheckGeneration(const PageHandle& page);
   absl::Status CountMessage(bool empty);
   // Device staging holding the arena, then `indices` at *indices_at; copied before any
   // page is pinned.
   absl::StatusOr<Buffer> StageOnDevice(std::span<const int64_t> indices, int64_t* indices_at);
   absl::StatusOr<int64_t> CommitRows();
+  // Rows write on a host memory pool: each chunk of the arena is a small pool of the
+  // target's layout (pages of kRecordPageSize tokens, or fewer when the pool's pages are
+  // smaller), staged token i at token i % tokens of chunk i / tokens.
+  static constexpr int kRecordPageSize = 16;  // little padding, little waste for one token
+  static PoolGeometry RecordGeometry(const PoolGeometry& pool, int64_t chunk_bytes) {
+    const int page_size = std::min(pool.page_size, kRecordPageSize);
+    return PoolGeometry{pool.layout, page_size, chunk_bytes / PageBytes(pool.layout, page_size)};
+  }
+  PoolGeometry RecordChunk() const {
+    return RecordGeometry(pool_->geometry(), arena_.chunk_bytes());
+  }
+  absl::Status StageRecords(int64_t first, std::span<const uint8_t> rows);
   absl::StatusOr<int64_t> CommitPages();
   absl::StatusOr<int64_t> CommitInPlace();
   // The staged (page, layer) pairs in order, as the page table and the page ops take them.
@@ -167,7 +191,9 @@ class StagedWrite {
   const bool rows_;
   const int layer_;
   const WriteLimits limits_;
+  const bool records_;  // rows staged as records (see RecordChunk)
   StagingArena arena_;
+  int64_t records_charged_ = 0;  // records_: bytes charged to the pool's owner
   int64_t messages_ = 0;
   // Every page named, at the generation named: a page named at two generations (freed and
   // allocated again in between) fails the whole write.

@@ -49,6 +49,12 @@ inline std::string TestDevice() {
   return d != nullptr && *d != '\0' ? d : "cpu";
 }
 
+// Bytes a token write stages (and charges to staged_write_bytes) per row on the test
+// device: a host memory pool stages the row's record, a device pool the bf16 row itself.
+inline int64_t StagedBytesPerRow(Layout layout) {
+  return TestDevice() == "cpu" ? GetLayoutInfo(layout).bytes_per_token() : kBf16RowBytes;
+}
+
 // The daemon binary: set by CMake, or KVFERRY_DAEMON when run from elsewhere.
 inline std::string DaemonPath() {
   const char* d = std::getenv("KVFERRY_DAEMON");

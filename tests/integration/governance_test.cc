@@ -137,8 +137,9 @@ grpc::Status List(Daemon& d, v1::ListPoolsResponse* out, uint32_t page_size = 0,
 // ---- staged write bytes --------------------------------------------------------------------
 
 TEST(StagedBudgetTest, WritesBeyondTheDaemonBudgetAreRefusedWhileReadsGoOn) {
-  // 128 KiB: 128 rows staged at once by all writes together.
-  Daemon d({"--max_staged_write_bytes=131072"});
+  // 128 rows staged at once by all writes together.
+  const int64_t budget = 128 * testing::StagedBytesPerRow(Layout::kV41);
+  Daemon d({"--max_staged_write_bytes=" + std::to_string(budget)});
   testing::CreatePool(d, "p", Layout::kV41, 64, 8);
   const auto pages = testing::Allocate(d, "p", 4);
   const auto rows = RandomRows(64, 1);
@@ -146,7 +147,7 @@ TEST(StagedBudgetTest, WritesBeyondTheDaemonBudgetAreRefusedWhileReadsGoOn) {
     // Two hostile writers stage 64 rows each and stop sending: the budget is used up.
     OpenWrite a(d, RowsMessage("p", Slots(pages[0]), rows));
     OpenWrite b(d, RowsMessage("p", Slots(pages[1]), rows));
-    ASSERT_TRUE(Eventually([&] { return Used(d, "staged_write_bytes") == 131072; }));
+    ASSERT_TRUE(Eventually([&] { return Used(d, "staged_write_bytes") == budget; }));
     std::string reason;
     grpc::Status refused;
     ASSERT_TRUE(Eventually([&] {
@@ -174,8 +175,9 @@ TEST(StagedBudgetTest, WritesBeyondTheDaemonBudgetAreRefusedWhileReadsGoOn) {
 }
 
 TEST(StagedBudgetTest, ATenantAtItsShareIsRefusedWhileAnotherTenantWrites) {
-  // Daemon budget 512 KiB, so each tenant may stage a quarter: 128 KiB (128 rows).
-  TwoTenants t({"--max_staged_write_bytes=524288"});
+  // Daemon budget of 512 rows, so each tenant may stage a quarter: 128 rows.
+  const int64_t share = 128 * testing::StagedBytesPerRow(Layout::kV41);
+  TwoTenants t({"--max_staged_write_bytes=" + std::to_string(4 * share)});
   Daemon& d = *t.d;
   d.Connect(grpc::InsecureChannelCredentials(), "tok-a");
   testing::CreatePool(d, "p", Layout::kV41, 64, 8);
@@ -188,7 +190,7 @@ TEST(StagedBudgetTest, ATenantAtItsShareIsRefusedWhileAnotherTenantWrites) {
   d.Connect(grpc::InsecureChannelCredentials(), "tok-a");
   OpenWrite a(d, RowsMessage("p", Slots(alice_pages[0]), rows));
   OpenWrite b(d, RowsMessage("p", Slots(alice_pages[1]), rows));
-  ASSERT_TRUE(Eventually([&] { return Used(d, "staged_write_bytes") == 131072; }));
+  ASSERT_TRUE(Eventually([&] { return Used(d, "staged_write_bytes") == share; }));
   std::string reason;
   grpc::Status refused;
   ASSERT_TRUE(Eventually([&] {

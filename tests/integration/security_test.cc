@@ -794,8 +794,9 @@ TEST(QuotaTest, PoolsPagesAndDeviceBytesRunOutWithAReasonAndComeBackWhenFreed) {
 }
 
 TEST(QuotaTest, StreamsAndStagedWriteBytesRunOutAndComeBack) {
-  // 64 rows of 1024 bytes may be staged at once.
-  TokenDaemon t({"alice tok-a streams=1 staged_write_bytes=64K"});
+  // 64 rows may be staged at once.
+  TokenDaemon t({"alice tok-a streams=1 staged_write_bytes=" +
+                 std::to_string(64 * testing::StagedBytesPerRow(Layout::kV4))});
   Daemon& d = *t.d;
   d.Connect(grpc::InsecureChannelCredentials(), "tok-a");
   testing::CreatePool(d, "p", Layout::kV4, 64, 4);

@@ -567,8 +567,12 @@ TEST(CoreWriteTest, EveryInvalidPieceIsRefusedWithItsReasonAndChangesNothing) {
     SCOPED_TRACE(c.name);
     auto w = *StagedWrite::ForRows(pool, 1, WriteLimits{});
     ASSERT_TRUE(w->AddRows(Where{{h[2], 0}}, {good.data(), 1024}).ok());  // a valid first piece
+    // A cpu pool stages each row as its record.
+    EXPECT_EQ(w->staged_bytes(), GetLayoutInfo(Layout::kV4).bytes_per_token());
     EXPECT_EQ(ReasonOf(w->AddRows(c.where, c.bytes)), c.reason);
-    EXPECT_EQ(w->staged_bytes(), 1024) << "a refused piece keeps no staging";
+    EXPECT_EQ(w->staged_bytes(), GetLayoutInfo(Layout::kV4).bytes_per_token())
+        << "a refused piece keeps no staging";
+    EXPECT_EQ(w->staged_rows(), 1);
   }
   EXPECT_EQ(ReasonOf(StagedWrite::ForRows(pool, 2, WriteLimits{}).status()),
             ErrorReason::kLayerOutOfRange);
@@ -1038,7 +1042,9 @@ TEST(TenantTest, QuotasRefuseWithoutAllocatingAndRecoverOnFree) {
   quota[Resource::kPools] = 1;
   quota[Resource::kPages] = 3;
   quota[Resource::kDeviceBytes] = pool_bytes;
-  quota[Resource::kStagedWriteBytes] = 2 * kBf16RowBytes;
+  // A cpu pool stages each row written as its record: room for two.
+  const int64_t record = GetLayoutInfo(Layout::kV4).bytes_per_token();
+  quota[Resource::kStagedWriteBytes] = 2 * record;
   auto alice = std::make_shared<TenantAccount>("alice", quota);
 
   PoolConfig big{"big", Layout::kV4, 16, 5, 1};
@@ -1079,12 +1085,12 @@ TEST(TenantTest, QuotasRefuseWithoutAllocatingAndRecoverOnFree) {
     EXPECT_EQ(ReasonOf(within->AddRows(Where{{pages[1], 2}}, {nan.data() + 2 * kBf16RowBytes,
                                                                kBf16RowBytes})),
               ErrorReason::kNonFiniteValue);
-    EXPECT_EQ(alice->used(Resource::kStagedWriteBytes), kBf16RowBytes);
+    EXPECT_EQ(alice->used(Resource::kStagedWriteBytes), record);
     within.reset();
     auto write = *StagedWrite::ForRows(pool, 0, WriteLimits{});
     ASSERT_TRUE(write->AddRows(Where{{pages[1], 0}, {pages[1], 1}},
                                AsBytes(testing::RandomRows(2, 1))).ok());
-    EXPECT_EQ(alice->used(Resource::kStagedWriteBytes), 2 * kBf16RowBytes);
+    EXPECT_EQ(alice->used(Resource::kStagedWriteBytes), 2 * record);
   }
   EXPECT_EQ(alice->used(Resource::kStagedWriteBytes), 0) << "a dropped write gives its staging back";
 

@@ -204,6 +204,41 @@ TEST_P(CpuVsReferenceTest, TranscodeMatchesReferenceToEveryLayout) {
   }
 }
 
+// Rows quantized into one pool and their records moved to other locations of a pool of
+// another page size give the bytes of the reference storing the same rows there directly:
+// the records do not depend on where they lie.
+TEST_P(CpuVsReferenceTest, CopiedRecordsEqualTheReferenceStoringAtTheDestination) {
+  const PoolGeometry from{GetParam(), 64, 12};
+  for (const int page_size : {1, 16, 256}) {
+    const PoolGeometry to{GetParam(), page_size, 2048 / page_size + 1};
+    for (const RowSet& set : RowSets(to, 700)) {
+      SCOPED_TRACE(set.name + " page size " + std::to_string(page_size));
+      std::vector<uint8_t> staged(from.pool_bytes(), 0);
+      const std::vector<int64_t> at = testing::ScatteredLocations(700, from.num_tokens(), 5);
+      ASSERT_TRUE(reference::QuantizeStore(from, set.rows, at, staged).ok());
+      std::vector<uint8_t> before(to.pool_bytes());
+      testing::FastRandom rng(page_size + 1);
+      for (uint8_t& b : before) b = static_cast<uint8_t>(rng.Next());
+      std::vector<uint8_t> expected = before;
+      ASSERT_TRUE(reference::QuantizeStore(to, set.rows, set.locs, expected).ok());
+      // The same rows stored at 0, 1, ... of a pool: the identity source list.
+      std::vector<uint8_t> packed(from.pool_bytes(), 0);
+      ASSERT_TRUE(reference::QuantizeStore(from, set.rows, SequentialLocations(700, 0), packed).ok());
+      ForEachCpuTarget([&] {
+        for (cpu::ThreadPool* workers : {static_cast<cpu::ThreadPool*>(nullptr), &workers_}) {
+          std::vector<uint8_t> pool = before;
+          ASSERT_TRUE(cpu::CopyRecords(from, staged, at, to, pool, set.locs, workers).ok());
+          ASSERT_EQ(FirstDifference(pool, expected), -1) << (workers ? "threads" : "inline");
+          pool = before;
+          ASSERT_TRUE(cpu::CopyRecords(from, packed, {}, to, pool, set.locs, workers).ok());
+          ASSERT_EQ(FirstDifference(pool, expected), -1)
+              << "identity source, " << (workers ? "threads" : "inline");
+        }
+      });
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Layouts, CpuVsReferenceTest,
                          ::testing::Values(Layout::kV4, Layout::kV41, Layout::kV41Fp4),
                          [](const ::testing::TestParamInfo<Layout>& info) {
@@ -441,6 +476,35 @@ TEST_F(CpuInvalidTest, TranscodeRejectsRepeatsAndLocationsOutsideEitherPool) {
           return cpu::Transcode(g_, pool_, to, d, locs, w);
         });
   }
+}
+
+TEST_F(CpuInvalidTest, CopyRecordsRejectsMismatchesAndBadLocationsWritingNothing) {
+  const PoolGeometry from{Layout::kV41, 16, 2};
+  std::vector<uint8_t> src(from.pool_bytes(), 0x5A);
+  auto expect_rejected = [&](const PoolGeometry& to, std::span<const int64_t> src_locs,
+                             std::span<const int64_t> dst_locs, const std::string& says) {
+    std::vector<uint8_t> dst = pool_;
+    cpu::ThreadPool workers(2);
+    const absl::Status s = cpu::CopyRecords(from, src, src_locs, to, dst, dst_locs, &workers);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_NE(s.message().find(says), std::string::npos) << s;
+    EXPECT_EQ(FirstDifference(dst, pool_), -1) << s;
+  };
+  const std::vector<int64_t> two = {0, 1}, three = {0, 1, 2};
+  expect_rejected(PoolGeometry{Layout::kV4, 16, 4}, two, two, "layout");
+  expect_rejected(g_, two, three, "2 source locations for 3");
+  expect_rejected(g_, std::vector<int64_t>{0, 32}, two, "source location");
+  expect_rejected(g_, two, std::vector<int64_t>{3, 64}, "destination location");
+  expect_rejected(g_, two, std::vector<int64_t>{9, 9}, "destination location");
+  std::vector<int64_t> many(33);
+  for (int64_t i = 0; i < 33; ++i) many[i] = i;
+  expect_rejected(g_, {}, many, "33 records asked of a source pool of 32 tokens");
+  // Source repeats are fine: one record copied to two places.
+  std::vector<uint8_t> dst = pool_;
+  ASSERT_TRUE(cpu::CopyRecords(from, src, std::vector<int64_t>{3, 3}, g_, dst,
+                               std::vector<int64_t>{10, 20})
+                  .ok());
+  EXPECT_NE(FirstDifference(dst, pool_), -1);
 }
 
 TEST_F(CpuInvalidTest, PageOpsRejectWhatTheReferenceRejects) {

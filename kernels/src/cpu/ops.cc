@@ -175,6 +175,45 @@ absl::Status Transcode(const PoolGeometry& from, std::span<const uint8_t> src,
   return absl::OkStatus();
 }
 
+absl::Status CopyRecords(const PoolGeometry& from, std::span<const uint8_t> src,
+                         std::span<const int64_t> src_locs, const PoolGeometry& to,
+                         std::span<uint8_t> dst, std::span<const int64_t> dst_locs,
+                         ThreadPool* workers) {
+  KVF_RETURN_IF_ERROR(ValidateGeometry(from));
+  KVF_RETURN_IF_ERROR(ValidateGeometry(to));
+  if (from.layout != to.layout) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("records of layout ", LayoutName(from.layout),
+                     " cannot be copied into a pool of layout ", LayoutName(to.layout),
+                     " (transcode them)"));
+  }
+  KVF_RETURN_IF_ERROR(ValidateSpanBytes(src.size(), from.pool_bytes(), "source pool"));
+  KVF_RETURN_IF_ERROR(ValidateSpanBytes(dst.size(), to.pool_bytes(), "destination pool"));
+  const int64_t n = static_cast<int64_t>(dst_locs.size());
+  if (!src_locs.empty() && static_cast<int64_t>(src_locs.size()) != n) {
+    return absl::InvalidArgumentError(absl::StrCat(src_locs.size(), " source locations for ", n,
+                                                   " destination locations"));
+  }
+  if (src_locs.empty() && n > from.num_tokens()) {
+    return absl::InvalidArgumentError(absl::StrCat(n, " records asked of a source pool of ",
+                                                   from.num_tokens(), " tokens"));
+  }
+  KVF_RETURN_IF_ERROR(CheckLocations(src_locs, from.num_tokens(), /*unique=*/false,
+                                     "source location"));
+  KVF_RETURN_IF_ERROR(CheckLocations(dst_locs, to.num_tokens(), /*unique=*/true,
+                                     "destination location"));
+  const LayoutInfo info = GetLayoutInfo(to.layout);
+  ForEach(workers, n, kBytesPerTask / info.bytes_per_token(), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const RecordOffsets in = LocateRecord(from, src_locs.empty() ? i : src_locs[i]);
+      const RecordOffsets out = LocateRecord(to, dst_locs[i]);
+      std::memcpy(dst.data() + out.data, src.data() + in.data, info.data_bytes);
+      std::memcpy(dst.data() + out.scale, src.data() + in.scale, info.scale_bytes);
+    }
+  });
+  return absl::OkStatus();
+}
+
 // Page copies and zeroing call libc's memcpy and memset: they are already vectorized per
 // CPU (chosen at load time), so the fast path only splits the pages across cores.
 

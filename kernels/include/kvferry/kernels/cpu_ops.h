@@ -44,6 +44,16 @@ absl::Status Transcode(const PoolGeometry& from, std::span<const uint8_t> src,
                        const PoolGeometry& to, std::span<uint8_t> dst,
                        std::span<const int64_t> locs, ThreadPool* workers = nullptr);
 
+// Moves stored records between pools of one layout (CopyRecordsParams, op_params.h):
+// record i of `src` (at src_locs[i], or at i when src_locs is empty) is copied, data and
+// scale rows byte for byte, to dst_locs[i] of `dst`. INVALID_ARGUMENT, with nothing
+// written, for pools of two layouts, lists of two lengths, a location out of range or a
+// destination listed twice. The pools must not overlap.
+absl::Status CopyRecords(const PoolGeometry& from, std::span<const uint8_t> src,
+                         std::span<const int64_t> src_locs, const PoolGeometry& to,
+                         std::span<uint8_t> dst, std::span<const int64_t> dst_locs,
+                         ThreadPool* workers = nullptr);
+
 // reference::GatherPages.
 absl::Status GatherPages(const PageCopyGeometry& geometry, std::span<const uint8_t> pool,
                          std::span<const int64_t> pages, std::span<uint8_t> buffer,

@@ -55,6 +55,21 @@ struct TranscodeParams {
   const int64_t* dst_locs = nullptr;
 };
 
+// Stored records moved between two pools of one layout (page sizes may differ), bytes as
+// they are: record i of `from` (at src_locs[i], or at i when src_locs is null) becomes the
+// record at dst_locs[i] of `to`. Host memory only (the cpu backend): the daemon's row
+// writes quantize each message into staged records as it arrives, and the commit moves
+// them to their locations.
+struct CopyRecordsParams {
+  PoolGeometry from;
+  const uint8_t* src = nullptr;         // from.pool_bytes()
+  const int64_t* src_locs = nullptr;    // [num_tokens], or null: 0, 1, ...
+  PoolGeometry to;
+  uint8_t* dst = nullptr;               // to.pool_bytes(); must not overlap src
+  const int64_t* dst_locs = nullptr;    // [num_tokens], unique, in range of `to`
+  int64_t num_tokens = 0;
+};
+
 struct PageCopyParams {
   PageCopyGeometry geometry;       // pool = [num_layers][num_pages][page_bytes]
   uint8_t* pool = nullptr;
