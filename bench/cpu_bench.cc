@@ -179,7 +179,7 @@ int Main(int argc, char** argv) {
           "quantize-store", name, order, bytes,
           [&](cpu::ThreadPool* w) { return cpu::QuantizeStore(g, rows, *locs, pool, w); },
           [&] { return reference::QuantizeStore(g, rows, *locs, pool); });
-      // The daemon's commit: rows found finite as they were staged, stored in one pass.
+      // The daemon's staging of rows on the cpu backend: checked, scaled and coded in one pass.
       measure(
           "quantize-store, rows checked", name, order, bytes,
           [&](cpu::ThreadPool* w) { return cpu::QuantizeStoreCheckedRows(g, rows, *locs, pool, w); },

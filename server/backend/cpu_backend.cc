@@ -47,7 +47,7 @@ struct HostRunner {
   }
   absl::Status operator()(const QuantizeStoreParams& p) const {
     if (p.row_offsets != nullptr || p.nonfinite != nullptr) return NotOnHost("rows read in place");
-    if (p.rows_checked_finite) {
+    if (p.single_pass) {
       return cpu::QuantizeStoreCheckedRows(
           p.geometry, Span(p.rows, p.num_tokens * kHeadDim), Span(p.locs, p.num_tokens),
           Span(p.pool, p.geometry.pool_bytes()), workers);

@@ -196,8 +196,9 @@ absl::Status StagedWrite::AddRows(std::span<const TokenLocation> locations,
 }
 
 // Quantizes one message's rows, staged rows [first, first + n), into the records of the
-// arena: the finite check and the scales in one pass over the rows, the coding in a second
-// while they are in cache (cpu::QuantizeStore), split across the backend's workers.
+// arena in one pass over the rows (each block checked finite, scaled and coded while in
+// cache), split across the backend's workers. A NaN or Inf fails the op with records of
+// earlier blocks written: staging, given back here.
 absl::Status StagedWrite::StageRecords(int64_t first, std::span<const uint8_t> rows) {
   const int64_t n = static_cast<int64_t>(rows.size()) / kBf16RowBytes;
   const PoolGeometry chunk = RecordChunk();
@@ -245,6 +246,7 @@ absl::Status StagedWrite::StageRecords(int64_t first, std::span<const uint8_t> r
     store.locs = locs.data() + i;
     store.num_tokens = count;
     store.pool = arena_.At(token / per_chunk * arena_.chunk_bytes());
+    store.single_pass = true;
     ops.push_back(store);
     i += count;
   }
@@ -472,7 +474,6 @@ absl::StatusOr<int64_t> StagedWrite::CommitRows() {
     QuantizeStoreParams store;
     store.geometry = g;
     store.pool = layer_base;
-    store.rows_checked_finite = true;  // AddRows refused any row holding NaN or Inf
     int64_t locs_at = 0;
     KVF_ASSIGN_OR_RETURN(staging, StageOnDevice(tokens_, &locs_at));
     store.rows = staging.get<uint16_t>();

@@ -1,9 +1,8 @@
 // A write staged whole before it touches the pool: bf16 rows or raw page bytes, in one
 // staging arena per write. Rows for a pool in device memory are staged as they are and
 // quantized on the device at commit; rows for a pool in host memory (cpu) are quantized
-// into staged records as each message arrives (on the backend's workers, while the next
-// message is still on the wire), and the commit only moves those records to their
-// locations. Page bytes are copied on commit.
+// into staged records as each message arrives (split across the backend's workers), and
+// the commit only moves those records to their locations. Page bytes are copied on commit.
 //
 // Add() validates each piece as it arrives (shapes, handles, slots, repeats, NaN/Inf,
 // limits) and appends it to the arena. Commit() checks the handles again, copies the arena

@@ -24,11 +24,11 @@ absl::Status QuantizeStore(const PoolGeometry& geometry, std::span<const uint16_
                            std::span<const int64_t> locs, std::span<uint8_t> pool,
                            ThreadPool* workers = nullptr);
 
-// The same bytes, for rows the caller has already found finite (ValidateFinite): each block
-// of rows is scaled and coded while it is still in cache, so the rows are read from memory
-// once, where QuantizeStore reads them twice (it must check them all before writing any).
-// A NaN or Inf found anyway breaks that promise: INTERNAL, and records of the blocks before
-// it may be written already.
+// The same bytes, for rows the caller has already found finite (ValidateFinite), or into a
+// pool the caller discards on failure: each block of rows is scaled and coded while it is
+// still in cache, so the rows are read from memory once, where QuantizeStore reads them
+// twice (it must check them all before writing any). A NaN or Inf found: INTERNAL, and
+// records of the blocks before it may be written already.
 absl::Status QuantizeStoreCheckedRows(const PoolGeometry& geometry,
                                       std::span<const uint16_t> rows,
                                       std::span<const int64_t> locs, std::span<uint8_t> pool,

@@ -24,10 +24,12 @@ struct QuantizeStoreParams {
   // Optional (CUDA only): set to nonzero when any row holds NaN or Inf. The records are
   // stored regardless; the caller undoes the store when the flag is set.
   uint32_t* nonfinite = nullptr;
-  // The caller checked every row finite before (StagedWrite does as the rows arrive): the
-  // cpu backend then scales and codes each block of rows while it is in cache, reading the
-  // rows from memory once instead of twice. Ignored on CUDA.
-  bool rows_checked_finite = false;
+  // cpu: scale and code each block of rows while it is in cache, reading the rows from
+  // memory once instead of twice (cpu::QuantizeStoreCheckedRows). A NaN or Inf then fails
+  // the op (INTERNAL) with the records of earlier blocks already written: for rows the
+  // caller found finite before, or a `pool` the caller throws away when the op fails
+  // (StagedWrite's staged records). Ignored on CUDA.
+  bool single_pass = false;
 };
 
 struct DequantizeGatherParams {
