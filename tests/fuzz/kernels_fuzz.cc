@@ -1,10 +1,12 @@
 // libFuzzer: the vectorized, multi-threaded host ops (kvferry::cpu) against the reference
 // (kvferry::reference), the bit-exact definition. For any geometry, rows, records and
 // locations the fuzzer makes up, both must return the same status (code and message) and
-// leave byte-identical outputs, written or untouched.
+// leave byte-identical outputs, written or untouched. cpu::CopyRecords, which has no
+// reference op, is checked against the spec's record addressing written out here.
 #include <fuzzer/FuzzedDataProvider.h>
 
 #include <algorithm>
+#include <utility>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -122,6 +124,61 @@ void Transcode(FuzzedDataProvider& in) {
   Compare("Transcode", r, f, ref.data(), fast.data(), ref.size());
 }
 
+// Where the spec (kv-formats §3) puts a token's data row and scale row in a pool.
+std::pair<int64_t, int64_t> SpecRecord(const PoolGeometry& g, int64_t loc) {
+  const kvferry::LayoutInfo info = kvferry::GetLayoutInfo(g.layout);
+  const int64_t page = loc / g.page_size, slot = loc % g.page_size;
+  return {page * g.page_bytes() + slot * info.data_bytes,
+          page * g.page_bytes() + int64_t{g.page_size} * info.data_bytes + slot * info.scale_bytes};
+}
+
+void CopyRecords(FuzzedDataProvider& in) {
+  PoolGeometry from{PickLayout(in), PickPageSize(in), in.ConsumeIntegralInRange<int64_t>(-1, 4)};
+  PoolGeometry to{in.ConsumeIntegralInRange<int>(0, 7) == 0 ? PickLayout(in) : from.layout,
+                  PickPageSize(in), in.ConsumeIntegralInRange<int64_t>(-1, 4)};
+  auto valid = [](const PoolGeometry& g) {
+    return kvferry::IsValidPageSize(g.page_size) && g.num_pages > 0;
+  };
+  const std::vector<uint8_t> src = Fill<uint8_t>(in, valid(from) ? from.pool_bytes() : 64);
+  const size_t n = in.ConsumeIntegralInRange<size_t>(0, 200);
+  const bool identity = in.ConsumeBool();
+  const std::vector<int64_t> src_locs =
+      identity ? std::vector<int64_t>{} : Locations(in, n, valid(from) ? from.num_tokens() : 4);
+  const std::vector<int64_t> dst_locs = Locations(in, n, valid(to) ? to.num_tokens() : 4);
+  const std::vector<uint8_t> before = Fill<uint8_t>(in, valid(to) ? to.pool_bytes() : 64);
+  std::vector<uint8_t> dst = before;
+  const absl::Status s =
+      kvferry::cpu::CopyRecords(from, src, src_locs, to, dst, dst_locs, MaybeWorkers(in));
+  // The oracle: valid pools of one layout, every location in range, no destination twice.
+  bool ok = valid(from) && valid(to) && from.layout == to.layout &&
+            (!identity || static_cast<int64_t>(n) <= from.num_tokens());
+  std::vector<char> seen(ok ? to.num_tokens() : 0, 0);
+  for (size_t i = 0; ok && i < n; ++i) {
+    const int64_t a = identity ? static_cast<int64_t>(i) : src_locs[i], b = dst_locs[i];
+    ok = a >= 0 && a < from.num_tokens() && b >= 0 && b < to.num_tokens() && !seen[b]++;
+  }
+  if (s.ok() != ok) {
+    std::fprintf(stderr, "CopyRecords: status %s, the oracle says %s\n", s.ToString().c_str(),
+                 ok ? "valid" : "invalid");
+    std::abort();
+  }
+  std::vector<uint8_t> expected = before;
+  if (ok) {
+    const kvferry::LayoutInfo info = kvferry::GetLayoutInfo(to.layout);
+    for (size_t i = 0; i < n; ++i) {
+      const auto [sd, ss] = SpecRecord(from, identity ? static_cast<int64_t>(i) : src_locs[i]);
+      const auto [dd, ds] = SpecRecord(to, dst_locs[i]);
+      std::memcpy(expected.data() + dd, src.data() + sd, info.data_bytes);
+      std::memcpy(expected.data() + ds, src.data() + ss, info.scale_bytes);
+    }
+  }
+  if (expected != dst) {
+    std::fprintf(stderr, "CopyRecords: the pool differs from the oracle's (status %s)\n",
+                 s.ToString().c_str());
+    std::abort();
+  }
+}
+
 void PageCopy(FuzzedDataProvider& in) {
   PageCopyGeometry g{in.ConsumeIntegralInRange<int64_t>(-1, 4096),
                      in.ConsumeIntegralInRange<int64_t>(-1, 8),
@@ -158,10 +215,11 @@ void PageCopy(FuzzedDataProvider& in) {
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   FuzzedDataProvider in(data, size);
-  switch (in.ConsumeIntegralInRange<int>(0, 3)) {
+  switch (in.ConsumeIntegralInRange<int>(0, 4)) {
     case 0: QuantizeStore(in); break;
     case 1: DequantizeGather(in); break;
     case 2: Transcode(in); break;
+    case 3: CopyRecords(in); break;
     default: PageCopy(in); break;
   }
   return 0;
