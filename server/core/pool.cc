@@ -190,28 +190,24 @@ int64_t Pool::ExpireLeases(absl::Time now) {
     }
   }
   int64_t freed = 0;
+  std::vector<int64_t> to_zero;  // the pass's pages, zeroed with one op
   for (const PageHandle& h : expired) {
     // One at a time: a page its client freed meanwhile (stale) must not keep the others.
     // Freed only while its lease is still the one that ran out, checked under the lease
     // lock with the free: a renewal since the list was made keeps the page.
-    std::vector<int64_t> to_zero;
-    {
-      kvferry::MutexLock lock(&lease_mu_);
-      auto it = leases_.find(h.page_id);
-      if (it == leases_.end() || it->second.generation != h.generation ||
-          it->second.expiry > now) {
-        continue;
-      }
-      leases_.erase(it);
-      absl::StatusOr<std::vector<int64_t>> released =
-          table_.Free(std::span<const PageHandle>(&h, 1));
-      if (!released.ok()) continue;  // its client freed it meanwhile
-      to_zero = *std::move(released);
+    kvferry::MutexLock lock(&lease_mu_);
+    auto it = leases_.find(h.page_id);
+    if (it == leases_.end() || it->second.generation != h.generation || it->second.expiry > now) {
+      continue;
     }
-    RefundPages(1);
-    ZeroAndReclaim(std::move(to_zero)).IgnoreError();  // a failed zeroing holds the page back
+    leases_.erase(it);
+    absl::StatusOr<std::vector<int64_t>> released = table_.Free(std::span<const PageHandle>(&h, 1));
+    if (!released.ok()) continue;  // its client freed it meanwhile
+    to_zero.insert(to_zero.end(), released->begin(), released->end());
     ++freed;
   }
+  RefundPages(freed);
+  ZeroAndReclaim(std::move(to_zero)).IgnoreError();  // a failed zeroing holds the pages back
   return freed;
 }
 
