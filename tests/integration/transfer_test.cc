@@ -360,6 +360,10 @@ TEST_P(TransferTest, PackedPageListsMoveTheSamePages) {
   std::string reason;
   ASSERT_TRUE(push(req, &reason).ok()) << reason;
   EXPECT_EQ(ReadAll(b, "dst", dst), ReadAll(a, "src", pools.src));
+  // The same push again (a retry of one whose answer was lost, transfer.proto): the
+  // destination holds the same bytes.
+  ASSERT_TRUE(push(req, &reason).ok()) << reason;
+  EXPECT_EQ(ReadAll(b, "dst", dst), ReadAll(a, "src", pools.src));
 
   v1::PullRequest pull;
   pull.set_from_address(Address(b));
