@@ -645,8 +645,9 @@ TEST(PoolBudgetTest, PoolsBeyondTheDaemonBudgetAreRefusedUntilOneIsDeleted) {
 TEST(MemoryCapTest, PoolsCountAgainstTheCapNotAgainstFreeMemoryAndReadsGoOn) {
   // 64 MiB cap: pools may take 56 MiB of it.
   Daemon d({"--cpu_memory_limit_bytes=67108864"});
-  // V4, 64 tokens a page: 37376 bytes a page; 800 pages = 29.9 MB.
-  testing::CreatePool(d, "a", Layout::kV4, 64, 800);
+  // V4, 64 tokens a page: 37376 bytes a page; 800 pages = 29.9 MB, in host memory whatever
+  // the test device (the cap is the cpu backend's).
+  testing::CreatePool(d, "a", Layout::kV4, 64, 800, 1, "cpu");
   const auto pages = testing::Allocate(d, "a", 4);
   const auto rows = RandomRows(64, 8);
   ASSERT_TRUE(testing::WriteTokens(d, "a", 0, Slots(pages[0]), rows).ok());
@@ -873,10 +874,11 @@ TEST(HttpTest, AConnectionThatSendsNothingIsClosedByTheDaemon) {
 
 // ---- memory after bursts -------------------------------------------------------------------
 
-// 1000 reads of a 38 MB pool, opened in rounds of 200 that the client never reads and then
-// cancels; the daemon's RSS at the peak and 3 s after the last handler ended.
+// 1000 reads of a 38 MB pool in host memory (a cuda pool would start a CUDA context, whose
+// own RSS is not this test's business), opened in rounds of 200 that the client never reads
+// and then cancels; the daemon's RSS at the peak and 3 s after the last handler ended.
 std::pair<int64_t, int64_t> RssAroundCancelledReads(Daemon& d) {
-  testing::CreatePool(d, "p", Layout::kV4, 64, 1024);
+  testing::CreatePool(d, "p", Layout::kV4, 64, 1024, 1, "cpu");
   const auto pages = testing::Allocate(d, "p", 1024);
   v1::ReadPagesRequest req;
   req.set_pool("p");
