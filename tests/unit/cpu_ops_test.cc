@@ -496,9 +496,8 @@ TEST_F(CpuInvalidTest, CopyRecordsRejectsMismatchesAndBadLocationsWritingNothing
   expect_rejected(g_, std::vector<int64_t>{0, 32}, two, "source location");
   expect_rejected(g_, two, std::vector<int64_t>{3, 64}, "destination location");
   expect_rejected(g_, two, std::vector<int64_t>{9, 9}, "destination location");
-  std::vector<int64_t> many(33);
-  for (int64_t i = 0; i < 33; ++i) many[i] = i;
-  expect_rejected(g_, {}, many, "33 records asked of a source pool of 32 tokens");
+  expect_rejected(g_, {}, SequentialLocations(33, 0),
+                  "33 records asked of a source pool of 32 tokens");
   // Source repeats are fine: one record copied to two places.
   std::vector<uint8_t> dst = pool_;
   ASSERT_TRUE(cpu::CopyRecords(from, src, std::vector<int64_t>{3, 3}, g_, dst,
