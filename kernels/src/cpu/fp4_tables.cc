@@ -1,6 +1,8 @@
 // Builds the V41_FP4 lookup tables from the scalar reference conversions.
 #include "cpu/fp4_tables.h"
 
+#include <cstring>
+
 #include "kvferry/kernels/numerics.h"
 
 namespace kvferry::cpu::internal {
@@ -34,6 +36,8 @@ void Build(Fp4Tables& t) {
       t.thresholds[s][k] = static_cast<int16_t>(lo);
     }
     t.thresholds[s][7] = kMaxFiniteMagnitude;
+    std::memcpy(t.windowed[s], t.thresholds[s], sizeof(t.windowed[s]));
+    t.windowed[s][7] = static_cast<int16_t>(numerics::FloatToBf16(scale) - 128);
   }
   for (int s = 0; s < 256; ++s) {
     const float scale = numerics::E4m3ToFloat(static_cast<uint8_t>(s));

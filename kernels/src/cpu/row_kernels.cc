@@ -448,18 +448,19 @@ void EncodeE4m3Row(const uint16_t* row, const uint8_t* scale, uint8_t* data) {
   }
 }
 
-// V41_FP4 codes of a finite row under its scale codes, by table (see Fp4Tables): a code is
-// the count of thresholds the magnitude exceeds, found by a binary search over the tile's 7
-// thresholds in three steps (each an in-register lookup of the threshold to compare with),
-// rather than by comparing with all 7. The sign is kept for every nonzero value
-// (|x| / S >= 2^-142 never rounds to zero in fp32) and dropped for -0, as the reference's
-// "+ 0.0f" does. A vector holds at most one tile (16 values, or 16 / lanes vectors a tile);
-// AVX-512 codes two tiles a vector in EncodeFp4RowAvx512 below.
+// V41_FP4 codes of a finite row under its scale codes, by table (Fp4Tables::windowed): a
+// magnitude's bits relative to its tile's scale S fall in a window
+// w = min((bits(|x|) - bits(S) + 128) / 64, 6) that decides its code up to one, and the
+// code is w + (|x| > threshold w), the threshold an in-register lookup. The sign is kept for
+// every nonzero value (|x| / S >= 2^-142 never rounds to zero in fp32) and dropped for -0,
+// as the reference's "+ 0.0f" does. A vector holds at most one tile (16 values, or 16 /
+// lanes vectors a tile); AVX-512 codes two tiles a vector in EncodeFp4RowAvx512 below.
 HWY_INLINE void EncodeFp4Tiles(const uint16_t* row, const uint8_t* scale, uint8_t* data,
                                const Fp4Tables& tables) {
   constexpr int kTile = 16;
   using D = D16;
   const D d;
+  const hn::RebindToUnsigned<D> du;
   const int n = static_cast<int>(hn::Lanes(d));
   using V = hn::Vec<D>;
   const hn::Repartition<uint8_t, D> dbytes;
@@ -468,29 +469,27 @@ HWY_INLINE void EncodeFp4Tiles(const uint16_t* row, const uint8_t* scale, uint8_
   const V magnitude = hn::Set(d, 0x7FFF);
   const V sign_bit = hn::Set(d, static_cast<int16_t>(0x8000));
   const V sign = hn::Set(d, 0x8);
+  const auto last_window = hn::Set(du, 6 * 64 + 63);
   // A lane's lookup index of threshold k: its bytes 2k and 2k + 1, i.e. k * 0x0202 + 0x0100.
-  const V index_of_3 = hn::Set(d, 3 * 0x0202 + 0x0100), base = hn::Set(d, 0x0100);
-  const V step4 = hn::Set(d, 4 * 0x0202), step2 = hn::Set(d, 2 * 0x0202),
-          step1 = hn::Set(d, 0x0202);
+  const V index_step = hn::Set(d, 0x0202), base = hn::Set(d, 0x0100);
   uint8_t codes[kHeadDim / kTile];  // local: the stores into data could alias scale
   std::memcpy(codes, scale, sizeof(codes));
   for (int t = 0; t < kHeadDim / kTile; ++t) {
-    // The tile's 8 thresholds (the last is padding) in each 128-bit block of its values.
-    const auto thresholds = hn::BitCast(dbytes, hn::LoadDup128(d, tables.thresholds[codes[t]]));
-    auto threshold = [&](V index) HWY_ATTR {
-      return hn::BitCast(d, hn::TableLookupBytes(thresholds, hn::BitCast(dbytes, index)));
-    };
+    // The tile's thresholds (entry 7: bits(S) - 128) in each 128-bit block of its values.
+    const int16_t* entries = tables.windowed[codes[t]];
+    const auto thresholds = hn::BitCast(dbytes, hn::LoadDup128(d, entries));
+    const auto from = hn::Set(du, static_cast<uint16_t>(entries[7]));
     for (int i = t * kTile; i < (t + 1) * kTile; i += n) {
       const V bits = hn::LoadU(d, reinterpret_cast<const int16_t*>(row + i));
       const V a = hn::And(bits, magnitude);
-      // code >= 4 iff a > T3; then >= code + 2 iff a > T[code + 1]; then + 1 iff a > T[code]
-      // (thresholds ascend). c holds code as a lookup index: code * 0x0202 + 0x0100.
-      V c = hn::Add(base, hn::IfThenElseZero(a > threshold(index_of_3), step4));
-      c = hn::Add(c, hn::IfThenElseZero(a > threshold(hn::Add(c, step1)), step2));
-      c = hn::Add(c, hn::IfThenElseZero(a > threshold(c), step1));
+      const V window = hn::BitCast(
+          d, hn::ShiftRight<6>(hn::Min(hn::SaturatedSub(hn::BitCast(du, a), from), last_window)));
+      const V threshold = hn::BitCast(
+          d, hn::TableLookupBytes(thresholds,
+                                  hn::BitCast(dbytes, hn::Add(hn::Mul(window, index_step), base))));
       // Negative and nonzero: bits above 0x8000, i.e. bits ^ 0x8000 above 0 as int16.
       const V negative = hn::IfThenElseZero(hn::Xor(bits, sign_bit) > hn::Zero(d), sign);
-      const V code = hn::Or(hn::And(hn::ShiftRight<1>(c), hn::Set(d, 7)), negative);
+      const V code = hn::Or(hn::Sub(window, hn::VecFromMask(d, a > threshold)), negative);
       // Two codes per 32-bit lane (dim 2j low, 2j+1 high) -> one byte: low | high << 4.
       auto pairs = hn::BitCast(d32, code);
       pairs = hn::Or(pairs, hn::ShiftRight<12>(pairs));
@@ -500,54 +499,54 @@ HWY_INLINE void EncodeFp4Tiles(const uint16_t* row, const uint8_t* scale, uint8_
 }
 
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-// EncodeFp4Tiles' search on AVX-512, two tiles per vector, in about half its instructions:
-// each step's "+ step where a > threshold" is one merge-masked add, the sign one more, and
-// four vectors' codes become 64 bytes by a multiply-add of lane pairs (low + 16 * high) and
-// two packs instead of a shift, an or and a truncation each. Written with intrinsics:
-// Highway 1.0 has neither masked arithmetic nor a two-input byte pack.
+// V41_FP4 codes on AVX-512, two tiles per vector, with one compare a value instead of
+// EncodeFp4Tiles' three: relative to its tile's scale S, a magnitude's bits fall in a window
+// w = min((bits(|x|) - bits(S) + 128) / 64, 6) that decides its code up to one, and the
+// code is w + (|x| > threshold w) (Fp4Tables::windowed). Mask compares and masked adds
+// bound this loop, so one compare instead of three is what makes it faster. Four vectors'
+// codes become 64 bytes by a multiply-add of lane pairs (low + 16 * high) and two packs.
+// Written with intrinsics: Highway 1.0 has neither masked arithmetic nor a two-input pack.
 HWY_INLINE void EncodeFp4RowAvx512(const uint16_t* row, const uint8_t* scale, uint8_t* data,
                                    const Fp4Tables& tables) {
   const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
   const __m512i negative_zero = _mm512_set1_epi16(static_cast<int16_t>(0x8000));
-  // c, as in EncodeFp4Tiles, is the code as a lookup index: code * 0x0202 + 0x0100.
-  const __m512i base = _mm512_set1_epi16(0x0100),
-                index_of_3 = _mm512_set1_epi16(3 * 0x0202 + 0x0100);
-  const __m512i step4 = _mm512_set1_epi16(4 * 0x0202), step2 = _mm512_set1_epi16(2 * 0x0202),
-                step1 = _mm512_set1_epi16(0x0202);
-  // Adding 16 sets bit 4 of the low byte (2 * code), i.e. the sign bit 8 of the code.
-  const __m512i sign = _mm512_set1_epi16(0x10), twice_code = _mm512_set1_epi16(0x1E);
+  const __m512i last_window = _mm512_set1_epi16(6 * 64 + 63);
+  const __m512i one = _mm512_set1_epi16(1), sign = _mm512_set1_epi16(8);
+  // A vector's lanes 0-15 are the first tile's (its table entries 0-7), 16-31 the second's
+  // (entries 8-15); entry 7 of each is bits(S) - 128.
+  const __m512i second_tile =
+      _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(8), 1);
+  const __m512i scale_entry = _mm512_or_si512(second_tile, _mm512_set1_epi16(7));
   const __m512i low_high = _mm512_set1_epi32(0x00100001);  // pair weights: 1 (dim 2j), 16 (2j+1)
   // The packs work within 128-bit blocks: dword 4j + k of the result is dword j of vector k.
   const __m512i in_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   uint8_t codes[kHeadDim / 16];  // local: the stores into data could alias scale
   std::memcpy(codes, scale, sizeof(codes));
-  auto thresholds = [&](int t) HWY_ATTR {
-    const auto* low = reinterpret_cast<const __m128i*>(tables.thresholds[codes[t]]);
-    const auto* high = reinterpret_cast<const __m128i*>(tables.thresholds[codes[t + 1]]);
-    return _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(_mm_load_si128(low)), 0xFF00,
-                                       _mm_load_si128(high));
-  };
-  // Two tiles (one vector) into 32 lanes of 2 * (nibble 2j + 16 * nibble 2j+1).
+  // Two tiles (one vector) into 32 lanes of nibble 2j + 16 * nibble 2j+1.
   auto code_pairs = [&](int t) HWY_ATTR {
-    const __m512i table = thresholds(t);
+    const __m256i both = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(
+            _mm_load_si128(reinterpret_cast<const __m128i*>(tables.windowed[codes[t]]))),
+        _mm_load_si128(reinterpret_cast<const __m128i*>(tables.windowed[codes[t + 1]])), 1);
+    const __m512i table = _mm512_castsi256_si512(both);  // entries 16-31 are never looked up
     const __m512i bits = _mm512_loadu_si512(row + t * 16);
     const __m512i a = _mm512_and_si512(bits, magnitude);
-    auto above = [&](__m512i index) HWY_ATTR {
-      return _mm512_cmpgt_epi16_mask(a, _mm512_shuffle_epi8(table, index));
-    };
-    __m512i c = _mm512_mask_add_epi16(base, above(index_of_3), base, step4);
-    c = _mm512_mask_add_epi16(c, above(_mm512_add_epi16(c, step1)), c, step2);
-    c = _mm512_mask_add_epi16(c, above(c), c, step1);
-    // Negative and nonzero: bits above 0x8000 (unsigned).
-    c = _mm512_mask_add_epi16(c, _mm512_cmpgt_epu16_mask(bits, negative_zero), c, sign);
-    return _mm512_madd_epi16(_mm512_and_si512(c, twice_code), low_high);
+    const __m512i window = _mm512_srli_epi16(
+        _mm512_min_epu16(_mm512_subs_epu16(a, _mm512_permutexvar_epi16(scale_entry, table)),
+                         last_window),
+        6);
+    const __m512i threshold =
+        _mm512_permutexvar_epi16(_mm512_add_epi16(window, second_tile), table);
+    __m512i code = _mm512_mask_add_epi16(window, _mm512_cmpgt_epi16_mask(a, threshold), window, one);
+    // Negative and nonzero: bits above 0x8000 (unsigned); -0 codes as +0.
+    code = _mm512_mask_add_epi16(code, _mm512_cmpgt_epu16_mask(bits, negative_zero), code, sign);
+    return _mm512_madd_epi16(code, low_high);
   };
   for (int t = 0; t < kHeadDim / 16; t += 8) {  // 8 tiles: 4 vectors, 64 bytes of codes
     const __m512i pairs[4] = {code_pairs(t), code_pairs(t + 2), code_pairs(t + 4),
                               code_pairs(t + 6)};
-    const __m512i words01 = _mm512_srli_epi16(_mm512_packs_epi32(pairs[0], pairs[1]), 1);
-    const __m512i words23 = _mm512_srli_epi16(_mm512_packs_epi32(pairs[2], pairs[3]), 1);
-    const __m512i bytes = _mm512_packus_epi16(words01, words23);
+    const __m512i bytes = _mm512_packus_epi16(_mm512_packs_epi32(pairs[0], pairs[1]),
+                                              _mm512_packs_epi32(pairs[2], pairs[3]));
     _mm512_storeu_si512(data + t * 8, _mm512_permutexvar_epi32(in_order, bytes));
   }
 }
