@@ -1,8 +1,6 @@
 // Builds the V41_FP4 lookup tables from the scalar reference conversions.
 #include "cpu/fp4_tables.h"
 
-#include <cstring>
-
 #include "kvferry/kernels/numerics.h"
 
 namespace kvferry::cpu::internal {
@@ -33,10 +31,8 @@ void Build(Fp4Tables& t) {
           hi = mid - 1;
         }
       }
-      t.thresholds[s][k] = static_cast<int16_t>(lo);
+      t.windowed[s][k] = static_cast<int16_t>(lo);
     }
-    t.thresholds[s][7] = kMaxFiniteMagnitude;
-    std::memcpy(t.windowed[s], t.thresholds[s], sizeof(t.windowed[s]));
     t.windowed[s][7] = static_cast<int16_t>(numerics::FloatToBf16(scale) - 128);
   }
   for (int s = 0; s < 256; ++s) {

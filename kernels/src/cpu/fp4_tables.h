@@ -12,16 +12,14 @@ struct Fp4Tables {
   uint8_t scale_code[0x8000];
   // Quantization without a division: under scale code s (1..0x7E, the codes a store can
   // produce), a value's e2m1 magnitude code is the number of k in 0..6 with
-  // |x| bits > thresholds[s][k]. Exact because the reference's code is monotonic in |x|
+  // |x| bits > windowed[s][k]. Exact because the reference's code is monotonic in |x|
   // (an IEEE division and round-to-nearest are), so each step of the code has a last
-  // bf16 magnitude below it; entry 7 is padding.
-  alignas(16) int16_t thresholds[128][8];
-  // The same seven thresholds, and in entry 7 the bf16 bits of the scale's value less 128
-  // (the scale, 2^-9..448, is exact in bf16). Relative to a scale, the thresholds' bits lie
-  // in fixed 64-wide windows (bits(x) - bits(S) + 128 in [64k, 64k + 63] is above
-  // thresholds k - 1 and at most k + 1, for every scale; cpu_ops_test codes every value
-  // under every scale), so a magnitude's code is its window k (at most 6) plus one compare
-  // with threshold k.
+  // bf16 magnitude below it. Entry 7 is the bf16 bits of the scale's value less 128 (the
+  // scale, 2^-9..448, is exact in bf16). Relative to the scale the thresholds lie in fixed
+  // 64-wide windows: bits(|x|) - bits(S) + 128 in [64k, 64k + 63] is above threshold k - 1
+  // and at most threshold k + 1, for every scale (cpu_ops_test codes every value under
+  // every scale). So a magnitude's code is its window k (at most 6) plus one compare with
+  // threshold k.
   alignas(16) int16_t windowed[128][8];
   // Dequantization: the bf16 bits of e2m1(nibble) * e4m3(s), low and high bytes, for
   // every scale byte s and nibble: byte tables for a 16-entry in-register lookup.
