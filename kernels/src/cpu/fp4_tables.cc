@@ -33,7 +33,7 @@ void Build(Fp4Tables& t) {
       }
       t.windowed[s][k] = static_cast<int16_t>(lo);
     }
-    t.windowed[s][7] = static_cast<int16_t>(numerics::FloatToBf16(scale) - 128);
+    t.windowed[s][7] = static_cast<int16_t>(numerics::FloatToBf16(scale) - kFp4WindowOffset);
   }
   for (int s = 0; s < 256; ++s) {
     const float scale = numerics::E4m3ToFloat(static_cast<uint8_t>(s));

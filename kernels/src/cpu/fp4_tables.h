@@ -6,6 +6,15 @@
 
 namespace kvferry::cpu::internal {
 
+// V41_FP4's coding windows (Fp4Tables::windowed): a magnitude's window is
+// min((bits(|x|) - bits(S) + kFp4WindowOffset) >> kFp4WindowShift, kFp4LastWindow).
+inline constexpr int kFp4WindowOffset = 128;
+inline constexpr int kFp4WindowShift = 6;  // windows 64 wide
+inline constexpr int kFp4LastWindow = 6;
+// The largest offset magnitude still in a window below the last: clamping to it caps the
+// window at kFp4LastWindow.
+inline constexpr int kFp4LastWindowEnd = ((kFp4LastWindow + 1) << kFp4WindowShift) - 1;
+
 struct Fp4Tables {
   // The scale code (numerics::Fp4ScaleCode) of a tile, by the bf16 magnitude bits of its
   // amax (finite values only: 0..0x7F7F).
@@ -14,12 +23,12 @@ struct Fp4Tables {
   // produce), a value's e2m1 magnitude code is the number of k in 0..6 with
   // |x| bits > windowed[s][k]. Exact because the reference's code is monotonic in |x|
   // (an IEEE division and round-to-nearest are), so each step of the code has a last
-  // bf16 magnitude below it. Entry 7 is the bf16 bits of the scale's value less 128 (the
-  // scale, 2^-9..448, is exact in bf16). Relative to the scale the thresholds lie in fixed
-  // 64-wide windows: bits(|x|) - bits(S) + 128 in [64k, 64k + 63] is above threshold k - 1
-  // and at most threshold k + 1, for every scale (cpu_ops_test codes every value under
-  // every scale). So a magnitude's code is its window k (at most 6) plus one compare with
-  // threshold k.
+  // bf16 magnitude below it. Entry 7 is the bf16 bits of the scale's value less
+  // kFp4WindowOffset (the scale, 2^-9..448, is exact in bf16). Relative to the scale the
+  // thresholds lie in fixed 64-wide windows: bits(|x|) - bits(S) + 128 in [64k, 64k + 63] is
+  // above threshold k - 1 and at most threshold k + 1, for every scale (cpu_ops_test codes
+  // every value under every scale). So a magnitude's code is its window k (at most 6) plus
+  // one compare with threshold k.
   alignas(16) int16_t windowed[128][8];
   // Dequantization: the bf16 bits of e2m1(nibble) * e4m3(s), low and high bytes, for
   // every scale byte s and nibble: byte tables for a 16-entry in-register lookup.

@@ -449,9 +449,9 @@ void EncodeE4m3Row(const uint16_t* row, const uint8_t* scale, uint8_t* data) {
 }
 
 // V41_FP4 codes of a finite row under its scale codes, by table (Fp4Tables::windowed): a
-// magnitude's bits relative to its tile's scale S fall in a window
-// w = min((bits(|x|) - bits(S) + 128) / 64, 6) that decides its code up to one, and the
-// code is w + (|x| > threshold w), the threshold an in-register lookup. The sign is kept for
+// magnitude's bits relative to its tile's scale S fall in a window w (kFp4WindowOffset and
+// the constants beside it) that decides its code up to one, and the code is
+// w + (|x| > threshold w), the threshold an in-register lookup. The sign is kept for
 // every nonzero value (|x| / S >= 2^-142 never rounds to zero in fp32) and dropped for -0,
 // as the reference's "+ 0.0f" does. A vector holds at most one tile (16 values, or 16 /
 // lanes vectors a tile); AVX-512 codes two tiles a vector in EncodeFp4RowAvx512 below.
@@ -469,7 +469,7 @@ HWY_INLINE void EncodeFp4Tiles(const uint16_t* row, const uint8_t* scale, uint8_
   const V magnitude = hn::Set(d, 0x7FFF);
   const V sign_bit = hn::Set(d, static_cast<int16_t>(0x8000));
   const V sign = hn::Set(d, 0x8);
-  const auto last_window = hn::Set(du, 6 * 64 + 63);
+  const auto last_window = hn::Set(du, kFp4LastWindowEnd);
   // A lane's lookup index of threshold k: its bytes 2k and 2k + 1, i.e. k * 0x0202 + 0x0100.
   const V index_step = hn::Set(d, 0x0202), base = hn::Set(d, 0x0100);
   uint8_t codes[kHeadDim / kTile];  // local: the stores into data could alias scale
@@ -483,7 +483,8 @@ HWY_INLINE void EncodeFp4Tiles(const uint16_t* row, const uint8_t* scale, uint8_
       const V bits = hn::LoadU(d, reinterpret_cast<const int16_t*>(row + i));
       const V a = hn::And(bits, magnitude);
       const V window = hn::BitCast(
-          d, hn::ShiftRight<6>(hn::Min(hn::SaturatedSub(hn::BitCast(du, a), from), last_window)));
+          d, hn::ShiftRight<kFp4WindowShift>(
+                 hn::Min(hn::SaturatedSub(hn::BitCast(du, a), from), last_window)));
       const V threshold = hn::BitCast(
           d, hn::TableLookupBytes(thresholds,
                                   hn::BitCast(dbytes, hn::Add(hn::Mul(window, index_step), base))));
@@ -499,18 +500,16 @@ HWY_INLINE void EncodeFp4Tiles(const uint16_t* row, const uint8_t* scale, uint8_
 }
 
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-// V41_FP4 codes on AVX-512, two tiles per vector, with one compare a value instead of
-// EncodeFp4Tiles' three: relative to its tile's scale S, a magnitude's bits fall in a window
-// w = min((bits(|x|) - bits(S) + 128) / 64, 6) that decides its code up to one, and the
-// code is w + (|x| > threshold w) (Fp4Tables::windowed). Mask compares and masked adds
-// bound this loop, so one compare instead of three is what makes it faster. Four vectors'
+// EncodeFp4Tiles' window and one compare on AVX-512, two tiles per vector. Mask compares
+// and masked adds bound this loop: the window needs one where a three-step search needed
+// three, and the sign one more. Four vectors'
 // codes become 64 bytes by a multiply-add of lane pairs (low + 16 * high) and two packs.
 // Written with intrinsics: Highway 1.0 has neither masked arithmetic nor a two-input pack.
 HWY_INLINE void EncodeFp4RowAvx512(const uint16_t* row, const uint8_t* scale, uint8_t* data,
                                    const Fp4Tables& tables) {
   const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
   const __m512i negative_zero = _mm512_set1_epi16(static_cast<int16_t>(0x8000));
-  const __m512i last_window = _mm512_set1_epi16(6 * 64 + 63);
+  const __m512i last_window = _mm512_set1_epi16(kFp4LastWindowEnd);
   const __m512i one = _mm512_set1_epi16(1), sign = _mm512_set1_epi16(8);
   // A vector's lanes 0-15 are the first tile's (its table entries 0-7), 16-31 the second's
   // (entries 8-15); entry 7 of each is bits(S) - 128.
@@ -534,7 +533,7 @@ HWY_INLINE void EncodeFp4RowAvx512(const uint16_t* row, const uint8_t* scale, ui
     const __m512i window = _mm512_srli_epi16(
         _mm512_min_epu16(_mm512_subs_epu16(a, _mm512_permutexvar_epi16(scale_entry, table)),
                          last_window),
-        6);
+        kFp4WindowShift);
     const __m512i threshold =
         _mm512_permutexvar_epi16(_mm512_add_epi16(window, second_tile), table);
     __m512i code = _mm512_mask_add_epi16(window, _mm512_cmpgt_epi16_mask(a, threshold), window, one);
