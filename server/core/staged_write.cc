@@ -555,6 +555,20 @@ absl::StatusOr<int64_t> StagedWrite::CommitPages() {
       ops.push_back(ScatterPagesOp{scatter});
       first += count;
     }
+  } else if (mirrored()) {
+    // Copied to the device as it arrived: the last copies, then the ids behind the bytes.
+    KVF_RETURN_IF_ERROR(WaitMirrorCopies(/*all=*/true));
+    if (mirrored_bytes_ != arena_.size()) {
+      return Error(absl::StatusCode::kInternal, ErrorReason::kInternalError,
+                   absl::StrCat("only ", mirrored_bytes_, " of ", arena_.size(),
+                                " staged bytes were copied to the device"));
+    }
+    ops.push_back(CopyOp{mirror_.get() + mirror_ids_at_, flat_ids.data(),
+                         flat_ids.size() * sizeof(int64_t)});
+    scatter.pages = reinterpret_cast<const int64_t*>(mirror_.get() + mirror_ids_at_);
+    scatter.num_listed = n;
+    scatter.buffer = mirror_.get();
+    ops.push_back(ScatterPagesOp{scatter});
   } else {
     // Device staging: [page bytes | flat page ids].
     int64_t ids_at = 0;
@@ -574,6 +588,57 @@ absl::StatusOr<int64_t> StagedWrite::CommitPages() {
   KVF_RETURN_IF_ERROR(stored);
   pool_->RenewLeases(handles);
   return n;
+}
+
+absl::StatusOr<bool> StagedWrite::PrepareDeviceMirror() {
+  if (rows_ || pool_->backend().host_memory() || device_staging() || in_place() ||
+      pages_.empty() || mirrored()) {
+    return false;
+  }
+  // Pages staged back to back from offset 0 (as ReservePages stages them), as the commit's
+  // scatter from the mirror reads them.
+  const int64_t page_bytes = pool_->geometry().page_bytes();
+  for (size_t i = 0; i < pages_.size(); ++i) {
+    if (pages_[i].offset != static_cast<int64_t>(i) * page_bytes) return false;
+  }
+  mirror_ids_at_ = AlignUp(arena_.size(), 256);
+  const size_t bytes = static_cast<size_t>(mirror_ids_at_) + pages_.size() * sizeof(int64_t);
+  KVF_ASSIGN_OR_RETURN(mirror_, pool_->backend().Allocate(bytes, MemoryKind::kDevice, false));
+  return true;
+}
+
+absl::Status StagedWrite::MirrorToDevice(int64_t offset, int64_t bytes) {
+  if (!mirrored() || offset < 0 || bytes <= 0 || offset + bytes > arena_.size()) {
+    return Error(absl::StatusCode::kInternal, ErrorReason::kInternalError,
+                 absl::StrCat("no mirror for staged bytes [", offset, ", ", offset + bytes,
+                              ") of ", arena_.size()));
+  }
+  // Copies already done give their streams back before more are taken.
+  KVF_RETURN_IF_ERROR(WaitMirrorCopies(/*all=*/false));
+  std::vector<Op> copies;
+  int64_t at = offset;
+  for (std::span<uint8_t> piece : arena_.Pieces(offset, bytes)) {
+    copies.push_back(CopyOp{mirror_.get() + at, piece.data(), piece.size()});
+    at += static_cast<int64_t>(piece.size());
+  }
+  KVF_ASSIGN_OR_RETURN(Completion copied, pool_->backend().Submit(copies));
+  mirror_copies_.push_back(std::move(copied));
+  mirrored_bytes_ += bytes;
+  return absl::OkStatus();
+}
+
+absl::Status StagedWrite::WaitMirrorCopies(bool all) {
+  absl::Status first;
+  std::vector<Completion> pending;
+  for (Completion& c : mirror_copies_) {
+    if (all || c.Ready()) {
+      first.Update(c.Wait());
+    } else {
+      pending.push_back(std::move(c));
+    }
+  }
+  mirror_copies_ = std::move(pending);
+  return first;
 }
 
 // The bytes are in the pool already: the handles are checked again (a page freed or the pool

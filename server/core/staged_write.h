@@ -115,6 +115,17 @@ class StagedWrite {
                             bool in_place = false);
   // Whether ReservePages chose to receive in place (false again once committed).
   bool in_place() const { return in_place_pin_.has_value(); }
+  // Pages write staged in host memory for a pool in device memory (after ReservePages): the
+  // staged bytes are to go to the device as they arrive (MirrorToDevice), into device memory
+  // reserved here, and the commit scatters from there, so that the copy to the device
+  // overlaps the rest of the transfer instead of following it. False (nothing reserved) for
+  // any other write.
+  absl::StatusOr<bool> PrepareDeviceMirror();
+  // Starts copying stream bytes [offset, offset + bytes), which have all arrived, to the
+  // device (PrepareDeviceMirror said true). Each range once; the commit waits for the copies
+  // and refuses a stream not wholly copied.
+  absl::Status MirrorToDevice(int64_t offset, int64_t bytes);
+  bool mirrored() const { return mirror_.get() != nullptr; }
   // The pieces of staging (or, in place, of the pool) in order that hold stream bytes
   // [offset, offset + bytes); adjacent pieces are merged.
   std::vector<std::span<uint8_t>> StagingPieces(int64_t offset, int64_t bytes) const;
@@ -213,6 +224,15 @@ class StagedWrite {
   absl::flat_hash_map<std::pair<uint64_t, int>, size_t> page_index_;
   // In place: the pages' pin, held until the commit or the end of the write.
   std::optional<PageTable::Pin> in_place_pin_;
+
+  // Device mirror (PrepareDeviceMirror): [page bytes | flat page ids at mirror_ids_at_], the
+  // bytes copied so far, and the copies not yet waited for. Declared after the arena and the
+  // mirror: the copies are waited for (their destructors) before either is freed.
+  Buffer mirror_;
+  int64_t mirror_ids_at_ = 0;
+  int64_t mirrored_bytes_ = 0;
+  std::vector<Completion> mirror_copies_;
+  absl::Status WaitMirrorCopies(bool all);
 };
 
 }  // namespace kvferry::server

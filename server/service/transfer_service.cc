@@ -254,9 +254,23 @@ class TransferEngine::Receiving {
     }
     write.reset();
   }
+  int64_t message_bytes = 0;
+  // Waits for every message; a write mirrored to the device (host staging for a GPU pool)
+  // starts each message's copy to the device as soon as it arrived.
+  absl::Status Land(absl::Duration idle, const UcxWorker::CancelCheck& cancelled) {
+    if (!write->mirrored()) return receives->Wait(idle, cancelled);
+    for (;;) {
+      KVF_ASSIGN_OR_RETURN(const std::vector<int64_t> arrived, receives->WaitArrived(idle, cancelled));
+      if (arrived.empty()) return absl::OkStatus();
+      for (const int64_t i : arrived) {
+        const int64_t offset = i * message_bytes;
+        KVF_RETURN_IF_ERROR(write->MirrorToDevice(offset, std::min(message_bytes, bytes - offset)));
+      }
+    }
+  }
   // Waits for every message, then commits all pages or none.
   absl::StatusOr<int64_t> Finish(absl::Duration idle, const UcxWorker::CancelCheck& cancelled) {
-    KVF_RETURN_IF_ERROR(receives->Wait(idle, cancelled));
+    KVF_RETURN_IF_ERROR(Land(idle, cancelled));
     return Commit();
   }
   // Once every message arrived: all pages or none.
@@ -465,6 +479,9 @@ absl::StatusOr<std::unique_ptr<TransferEngine::Receiving>> TransferEngine::Recei
   r->in_place = r->write->in_place();
   r->bytes = static_cast<int64_t>(offer.units()) * page_bytes;
   const int64_t message_bytes = static_cast<int64_t>(m);
+  r->message_bytes = message_bytes;
+  // A GPU pool staged on the host: each message goes on to the device as it arrives.
+  KVF_RETURN_IF_ERROR(r->write->PrepareDeviceMirror().status());
   std::vector<std::vector<std::span<uint8_t>>> messages;
   std::vector<MemoryBlock> blocks;  // registered once each, reused by later transfers
   for (int64_t at = 0; at < r->bytes; at += message_bytes) {
@@ -763,7 +780,7 @@ absl::Status TransferEngine::Serve(
       if (!stream->Write(ready)) {
         return PeerUnavailable("the sending peer left before the transfer started");
       }
-      KVF_RETURN_IF_ERROR(receiving->receives->Wait(idle(), cancelled));
+      KVF_RETURN_IF_ERROR(receiving->Land(idle(), cancelled));
       // A sender that gave up (its caller told the transfer failed) may still have had its
       // bytes delivered, when this daemon was only slow or frozen: they are not committed.
       if (context.IsCancelled()) {
@@ -776,6 +793,7 @@ absl::Status TransferEngine::Serve(
                  receiving->bytes,
                  receiving->in_place                   ? " in place"
                  : receiving->write->device_staging() ? " through device staging"
+                 : receiving->write->mirrored()       ? " through host staging, copied to the device as it arrived"
                                                       : "",
                  log::Millis(t0, Clock::now()), log::Millis(t0, posted),
                  log::Millis(posted, received), log::Millis(received, Clock::now()));

@@ -43,6 +43,7 @@ struct Group {
   bool released = false;  // receives: abandoned, all ended, and keep_alive dropped
   std::vector<void*> requests;            // receives: by message index, null once complete
   std::vector<size_t> expected;           // receives: bytes of each message
+  std::vector<int64_t> arrived;           // receives: messages that arrived whole, in order
   std::vector<std::vector<ucp_dt_iov_t>> iovs;  // receives: where each message lands
   std::shared_ptr<void> keep_alive;       // the memory, until UCX can touch it no more
   std::vector<char> sent;                 // sends: by message index, complete
@@ -124,6 +125,8 @@ void OnReceive(void* request, ucs_status_t status, const ucp_tag_recv_info_t* in
                                 " bytes, expected ", g.expected[ctx->index])));
     } else if (status != UCS_OK && !(status == UCS_ERR_CANCELED && g.abandoned)) {
       g.Fail(UcxError(absl::StrCat("receive of message ", ctx->index), status));
+    } else if (status == UCS_OK) {
+      g.arrived.push_back(ctx->index);
     }
     g.requests[ctx->index] = nullptr;
     --g.inflight;
@@ -670,6 +673,16 @@ class ReceivesImpl final : public UcxWorker::Receives {
   absl::Status Wait(absl::Duration idle, const UcxWorker::CancelCheck& cancelled) override {
     return group_->Wait(idle, cancelled, "receiving pages from the peer");
   }
+  absl::StatusOr<std::vector<int64_t>> WaitArrived(absl::Duration idle,
+                                                   const UcxWorker::CancelCheck& cancelled) override {
+    Group& g = *group_;
+    KVF_RETURN_IF_ERROR(g.WaitFor([&] { return g.arrived.size() > reported_ || g.inflight == 0; },
+                                  idle, cancelled, "receiving pages from the peer"));
+    std::lock_guard lock(g.mu);
+    std::vector<int64_t> out(g.arrived.begin() + static_cast<ptrdiff_t>(reported_), g.arrived.end());
+    reported_ = g.arrived.size();
+    return out;
+  }
   bool Abandon(absl::Duration bound) override {
     std::shared_ptr<UcxWorker::State> state = state_;
     std::shared_ptr<Group> group = group_;
@@ -686,6 +699,7 @@ class ReceivesImpl final : public UcxWorker::Receives {
  private:
   std::shared_ptr<UcxWorker::State> state_;
   std::shared_ptr<Group> group_;
+  size_t reported_ = 0;  // WaitArrived: messages of group_->arrived already returned
 };
 
 }  // namespace

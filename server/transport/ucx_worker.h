@@ -100,6 +100,11 @@ class UcxWorker {
     // Blocks until every message arrived (OK), a receive failed, `idle` passed without a
     // message completing (UNAVAILABLE, PEER_UNAVAILABLE), or `cancelled` said so.
     virtual absl::Status Wait(absl::Duration idle, const CancelCheck& cancelled) = 0;
+    // Blocks until a message not yet reported here has arrived whole, and returns the index
+    // of every such message, in the order they arrived; empty once every message arrived and
+    // was reported. Failures as Wait's. (For a receiver that uses each message as it lands.)
+    virtual absl::StatusOr<std::vector<int64_t>> WaitArrived(absl::Duration idle,
+                                                             const CancelCheck& cancelled) = 0;
     // Cancels the receives that have not matched and waits up to `bound` until UCX has
     // ended every receive, so that none can write any more: true when they all ended. (A
     // receive that matched ends when its message is in or its peer is given up.)

@@ -15,6 +15,7 @@
 #include "core/staged_write.h"
 #include "gtest/gtest.h"
 #include "kvferry/kernels/ops.h"
+#include "kvferry/kernels/status_macros.h"
 
 namespace kvferry::server {
 namespace {
@@ -778,6 +779,63 @@ int EveryFailure(testing::FaultBackend& fault, const std::function<absl::Status(
   }
   ADD_FAILURE() << "never finished";
   return failures;
+}
+
+// A pool in device memory (here a host backend that says it is not one) whose pages arrive
+// into host staging message by message: each message goes on to the device as it arrives, in
+// whatever order, and the commit scatters from there. Same bytes as the staged commit; a
+// commit before every message was copied, or with a copy that failed, changes nothing.
+TEST(CoreFaultTest, AWriteMirroredToTheDeviceMessageByMessageLandsTheSameBytes) {
+  auto fault = std::make_shared<testing::FaultBackend>(MakeCpuBackend());
+  auto pool = MakePool(Layout::kV41, 16, 300, 2, fault);
+  const auto h = *pool->AllocatePages(300);
+  const int64_t page_bytes = pool->geometry().page_bytes();
+  const std::vector<PageHandle> dst(h.rbegin(), h.rbegin() + 250);
+  const std::vector<int64_t> layers = {1, 0};
+  const int64_t message = 7 * page_bytes;
+  const int64_t total = static_cast<int64_t>(dst.size() * layers.size()) * page_bytes;
+  const int64_t messages = (total + message - 1) / message;
+  std::vector<uint8_t> bytes(static_cast<size_t>(total));
+  std::mt19937 rng(11);
+  for (uint8_t& b : bytes) b = static_cast<uint8_t>(rng());
+  std::vector<int64_t> order(static_cast<size_t>(messages));
+  for (int64_t i = 0; i < messages; ++i) order[static_cast<size_t>(i)] = i;
+  std::shuffle(order.begin(), order.end(), rng);
+  // Stages and mirrors the messages in `order` except the last `missing`; then commits.
+  auto write = [&](int64_t missing) -> absl::Status {
+    auto w = StagedWrite::ForPages(pool, Layout::kV41, WriteLimits{}, message);
+    if (!w.ok()) return w.status();
+    KVF_RETURN_IF_ERROR((*w)->ReservePages(dst, layers, /*in_place=*/true));
+    EXPECT_FALSE((*w)->in_place());  // not a host memory pool
+    KVF_ASSIGN_OR_RETURN(const bool mirrored, (*w)->PrepareDeviceMirror());
+    EXPECT_TRUE(mirrored);
+    for (size_t k = 0; k + missing < order.size(); ++k) {
+      const int64_t at = order[k] * message;
+      const int64_t n = std::min(message, total - at);
+      const std::vector<std::span<uint8_t>> pieces = (*w)->StagingPieces(at, n);
+      EXPECT_EQ(pieces.size(), 1u);
+      std::memcpy(pieces[0].data(), bytes.data() + at, pieces[0].size());
+      KVF_RETURN_IF_ERROR((*w)->MirrorToDevice(at, n));
+    }
+    (*w)->MarkReceived();
+    return (*w)->Commit().status();
+  };
+  const Snapshot before = Take(*pool);
+  EXPECT_EQ(ReasonOf(write(1)), ErrorReason::kInternalError);
+  EXPECT_TRUE(Take(*pool) == before) << "a commit with a message not copied changed the pool";
+  EXPECT_GE(EveryFailure(*fault, [&] { return write(0); },
+                         [&](const absl::Status&) {
+                           EXPECT_TRUE(Take(*pool) == before) << "a failed mirrored write changed the pool";
+                         }),
+            static_cast<int>(messages));  // the mirror, each message's copy, the ids, the scatter
+  EXPECT_EQ(*Drain(ReadPages(pool, dst, layers, std::nullopt, 1 << 20)), bytes);
+
+  // A host memory pool has nothing to mirror to.
+  auto cpu = MakePool(Layout::kV41, 16, 4, 1);
+  const auto c = *cpu->AllocatePages(2);
+  auto w = *StagedWrite::ForPages(cpu, Layout::kV41, WriteLimits{});
+  ASSERT_TRUE(w->ReservePages(c, std::vector<int64_t>{0}, /*in_place=*/false).ok());
+  EXPECT_FALSE(*w->PrepareDeviceMirror());
 }
 
 TEST(CoreFaultTest, EveryAllocationCopyAndOpFailureOfAWriteLeavesThePoolAsItWas) {

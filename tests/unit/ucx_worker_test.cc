@@ -2,6 +2,7 @@
 // later messages in it, released when the block's backend frees it (or the worker ends).
 // Two workers in one process over tcp on loopback; the bytes are checked against the
 // pattern the sender wrote.
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -121,6 +122,53 @@ TEST_F(UcxRegistrationTest, OneRegistrationPerBlockReusedAndReleasedWhenTheBlock
   EXPECT_EQ(sender_->registrations().blocks, 1);
   src.Reset();
   EXPECT_EQ(sender_->registrations().blocks, 0);
+}
+
+// A receiver that uses each message as it lands (a GPU pool's host staging, copied on to the
+// device message by message) is told every message once, as it arrives whole, in whatever
+// order the sender sent them, and then that there are no more.
+TEST_F(UcxRegistrationTest, ArrivedMessagesAreReportedOnceEachAsTheyLand) {
+  Buffer src = Block(*sender_backend_, 3);
+  Buffer dst = Block(*receiver_backend_, 0);
+  const size_t part = kBlockBytes / 4;
+  const uint64_t tag = UcxTag(++transfer_, 0);
+  std::vector<std::vector<std::span<uint8_t>>> messages;
+  for (size_t i = 0; i < 4; ++i) messages.push_back({{dst.get() + i * part, part}});
+  absl::StatusOr<std::unique_ptr<UcxWorker::Receives>> receives =
+      receiver_->PostReceives(tag, std::move(messages), nullptr, false);
+  ASSERT_TRUE(receives.ok()) << receives.status();
+  absl::StatusOr<std::unique_ptr<UcxWorker::Sender>> sender = sender_->Connect(receiver_->address());
+  ASSERT_TRUE(sender.ok()) << sender.status();
+  for (const size_t i : {2, 0, 3}) {
+    ASSERT_TRUE((*sender)->Post(tag + i, {src.get() + i * part, part}, false, src.block()).ok());
+  }
+  std::vector<int64_t> seen;
+  while (seen.size() < 3) {
+    absl::StatusOr<std::vector<int64_t>> arrived = (*receives)->WaitArrived(absl::Seconds(10), nullptr);
+    ASSERT_TRUE(arrived.ok()) << arrived.status();
+    ASSERT_FALSE(arrived->empty());
+    for (const int64_t i : *arrived) {
+      // Whole when reported.
+      EXPECT_EQ(std::memcmp(dst.get() + i * part, src.get() + i * part, part), 0) << "message " << i;
+      seen.push_back(i);
+    }
+  }
+  std::sort(seen.begin(), seen.end());
+  EXPECT_EQ(seen, (std::vector<int64_t>{0, 2, 3}));
+  // Message 1 not sent: nothing to report, and the wait ends at the idle bound.
+  const absl::StatusOr<std::vector<int64_t>> idle =
+      (*receives)->WaitArrived(absl::Milliseconds(200), nullptr);
+  EXPECT_EQ(idle.status().code(), absl::StatusCode::kUnavailable);
+  ASSERT_TRUE((*sender)->Post(tag + 1, {src.get() + part, part}, false, src.block()).ok());
+  absl::StatusOr<std::vector<int64_t>> last = (*receives)->WaitArrived(absl::Seconds(10), nullptr);
+  ASSERT_TRUE(last.ok()) << last.status();
+  EXPECT_EQ(*last, (std::vector<int64_t>{1}));
+  absl::StatusOr<std::vector<int64_t>> none = (*receives)->WaitArrived(absl::Seconds(10), nullptr);
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_TRUE(none->empty());
+  EXPECT_TRUE((*receives)->Wait(absl::Seconds(10), nullptr).ok());
+  EXPECT_TRUE((*sender)->WaitThrough(4, absl::Seconds(10), nullptr).ok());
+  EXPECT_EQ(std::memcmp(dst.get(), src.get(), kBlockBytes), 0);
 }
 
 TEST_F(UcxRegistrationTest, StagingKeptForReuseKeepsItsRegistration) {
