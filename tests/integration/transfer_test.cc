@@ -1045,7 +1045,8 @@ TEST(PeerSecretTransferTest, OnlyDaemonsSharingTheSecretReceiveFromOneThatHasIt)
 // is handed to UCX where the GPU put it) and land in device staging that the commit scatters
 // from: no copy through host memory on either side. With cuda_copy alone UCX would pipeline
 // device memory through host fragments of its own, slower than the daemons' staging, so the
-// bytes are staged through the host as without CUDA. Both against the golden pools,
+// bytes are staged through the host as without CUDA (on the receiver, each message copied on
+// to the device as it arrives). Both against the golden pools,
 // transcoded too, and a push to a stale page changes nothing. Skips without a GPU
 // (KVFERRY_TEST_DEVICE=cuda:N) or without such a UCX.
 TEST(TransferDeviceMemoryTest, GpuPoolsLeaveAndLandInDeviceMemoryByteForByte) {
@@ -1100,6 +1101,9 @@ TEST(TransferDeviceMemoryTest, GpuPoolsLeaveAndLandInDeviceMemoryByteForByte) {
     const bool direct = transports.find("cuda_ipc") != std::string::npos;
     EXPECT_EQ(count(a, " from device memory:"), direct ? 2 * 3 : 0) << a.Log();
     EXPECT_EQ(count(b, " through device staging,"), direct ? 2 * 3 : 0) << b.Log();
+    // Without cuda_ipc the bytes land in host staging, each message copied on to the device
+    // as it arrived.
+    EXPECT_EQ(count(b, "copied to the device as it arrived"), direct ? 0 : 2 * 3) << b.Log();
     EXPECT_EQ(count(b, "push received:"), 2 * 3) << b.Log();
   }
 }
