@@ -216,6 +216,8 @@ absl::StatusOr<std::unique_ptr<Daemon>> Daemon::Start(DaemonOptions options) {
     absl::StatusOr<std::unique_ptr<UcxWorker>> ucx = UcxWorker::Create(ucx_options);
     if (ucx.ok()) {
       d->ucx_ = std::move(*ucx);
+      log::Info("ucx: transports {}, {} lane(s): a Push/Pull spreads its messages over that many "
+                "workers and connections", d->ucx_->transports(), d->ucx_->lanes());
       d->pools_->SetReleaseListener(d->ucx_->release_listener());
       UcxWorker* ucx_worker = d->ucx_.get();
       d->daemon_metrics_->SetRegistrationSource([ucx_worker] {

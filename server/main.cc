@@ -92,6 +92,10 @@ ABSL_FLAG(std::string, ucx_transports, "",
 ABSL_FLAG(std::string, ucx_net_devices, "",
           "UCX_NET_DEVICES: network devices peers reach this daemon on (eth0, mlx5_0:1, ...); "
           "empty: every device UCX finds");
+ABSL_FLAG(int32_t, ucx_lanes, 0,
+          "UCX workers, each with its progress thread, that one Push/Pull spreads its messages "
+          "over (each its own connection to the peer; 1 to 16); 0: one per 8 cores kvferryd "
+          "may use, 1 to 4");
 ABSL_FLAG(bool, ucx_device_memory, true,
           "Where the UCX library moves CUDA memory to a peer without the host (cuda_ipc on one "
           "host, GPUDirect RDMA), send and receive the default GPU's pages in device memory; "
@@ -198,6 +202,7 @@ absl::StatusOr<DaemonOptions> OptionsFromFlags(const config::ConfigFile* file) {
   options.ucx_options.transports = absl::GetFlag(FLAGS_ucx_transports);
   options.ucx_options.net_devices = absl::GetFlag(FLAGS_ucx_net_devices);
   options.ucx_device_memory = absl::GetFlag(FLAGS_ucx_device_memory);
+  options.ucx_options.lanes = absl::GetFlag(FLAGS_ucx_lanes);
   options.peer.timeout_seconds = absl::GetFlag(FLAGS_peer_timeout_seconds);
   options.peer.token_file = absl::GetFlag(FLAGS_peer_token_file);
   options.peer.secret_file = absl::GetFlag(FLAGS_peer_secret_file);
@@ -217,6 +222,10 @@ absl::StatusOr<DaemonOptions> OptionsFromFlags(const config::ConfigFile* file) {
         "--peer_timeout_seconds must be positive, --peer_message_bytes and "
         "--peer_device_message_bytes in [1, 64 MiB], --peer_send_depth and "
         "--peer_device_send_depth in [2, 64]");
+  }
+  if (options.ucx_options.lanes < 0 || options.ucx_options.lanes > kvferry::server::kMaxUcxLanes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--ucx_lanes must be 0 (one per 8 cores) or 1 to ", kvferry::server::kMaxUcxLanes));
   }
   for (const auto& [name, value] :
        {std::pair<const char*, int64_t>{"--max_pools", absl::GetFlag(FLAGS_max_pools)},

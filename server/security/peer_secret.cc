@@ -51,13 +51,14 @@ absl::StatusOr<std::string> PeerNonce() {
 
 std::string PeerReadyMac(std::string_view secret, std::string_view nonce, uint64_t transfer_id,
                          std::string_view worker_address, std::string_view host,
-                         std::string_view transport) {
+                         std::string_view transport, std::span<const std::string> lane_addresses) {
   std::string message = "kvferry peer ready v1";
   AppendField(message, nonce);
   AppendU64(message, transfer_id);
   AppendField(message, worker_address);
   AppendField(message, host);
   AppendField(message, transport);
+  for (const std::string& address : lane_addresses) AppendField(message, address);
   unsigned char mac[EVP_MAX_MD_SIZE];
   unsigned int length = 0;
   HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()),
@@ -67,9 +68,10 @@ std::string PeerReadyMac(std::string_view secret, std::string_view nonce, uint64
 
 bool PeerReadyMacMatches(std::string_view mac, std::string_view secret, std::string_view nonce,
                          uint64_t transfer_id, std::string_view worker_address,
-                         std::string_view host, std::string_view transport) {
+                         std::string_view host, std::string_view transport,
+                         std::span<const std::string> lane_addresses) {
   const std::string want =
-      PeerReadyMac(secret, nonce, transfer_id, worker_address, host, transport);
+      PeerReadyMac(secret, nonce, transfer_id, worker_address, host, transport, lane_addresses);
   return mac.size() == want.size() && CRYPTO_memcmp(mac.data(), want.data(), want.size()) == 0;
 }
 

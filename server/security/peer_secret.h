@@ -7,13 +7,15 @@
 // forge one, so a sender connects only to an address the ready proves with the secret:
 //
 //   mac = HMAC-SHA256(secret, "kvferry peer ready v1" ‖ nonce ‖ transfer id ‖ worker
-//         address ‖ host ‖ transports), each variable-length field preceded by its length
+//         address ‖ host ‖ transports ‖ lane address 1 ‖ lane address 2 ‖ ...), each
+//         variable-length field preceded by its length (a ready of one lane has none)
 //
 // where the nonce is the sender's, fresh in each offer: a mac proves that a daemon holding
 // the secret made this ready, for this offer. A daemon asked to answer an offer only signs
-// its own worker address, so answering offers lends no forger a mac for another address.
+// its own worker addresses, so answering offers lends no forger a mac for another address.
 #pragma once
 
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -36,11 +38,13 @@ absl::StatusOr<std::string> PeerNonce();
 // The mac of a ready, as above.
 std::string PeerReadyMac(std::string_view secret, std::string_view nonce, uint64_t transfer_id,
                          std::string_view worker_address, std::string_view host,
-                         std::string_view transport);
+                         std::string_view transport,
+                         std::span<const std::string> lane_addresses = {});
 
 // Whether `mac` is the mac of that ready (compared in constant time).
 bool PeerReadyMacMatches(std::string_view mac, std::string_view secret, std::string_view nonce,
                          uint64_t transfer_id, std::string_view worker_address,
-                         std::string_view host, std::string_view transport);
+                         std::string_view host, std::string_view transport,
+                         std::span<const std::string> lane_addresses = {});
 
 }  // namespace kvferry::server

@@ -236,6 +236,7 @@ class TransferEngine::Receiving {
   std::unique_ptr<UcxWorker::Receives> receives;
   int64_t bytes = 0;
   bool in_place = false;  // received straight into the pool
+  int lanes = 1;          // the UCX lanes its messages come over
   absl::Duration settle;  // how long the end of a failed write in place is waited for
 
   // A write in place that did not commit zeroes what landed once UCX can write no more:
@@ -360,8 +361,10 @@ absl::Status TransferEngine::CheckReady(const v1::PeerOffer& offer,
                  "the receiving peer's ready carries no mac (it runs without "
                  "--peer_secret_file): nothing was sent to the address it gave");
   }
+  const std::vector<std::string> lanes(ready.lane_addresses().begin(),
+                                       ready.lane_addresses().end());
   if (!PeerReadyMacMatches(ready.mac(), options_.secret, offer.nonce(), ready.transfer_id(),
-                           ready.worker_address(), ready.host(), ready.transport())) {
+                           ready.worker_address(), ready.host(), ready.transport(), lanes)) {
     return Error(absl::StatusCode::kUnauthenticated, ErrorReason::kPeerNotAuthenticated,
                  "the receiving peer's ready carries a wrong mac (another --peer_secret_file, or "
                  "not a daemon of this deployment): nothing was sent to the address it gave");
@@ -408,6 +411,10 @@ void TransferEngine::Record(const char* op, const std::string& peer, bool sent, 
   if (observer_) observer_(PeerTransferRecord{op, peer, sent, bytes, seconds, status});
 }
 
+int TransferEngine::LanesFor(Pool& pool) const {
+  return pool.backend().device() == "cpu" ? ucx_->lanes() : 1;
+}
+
 bool TransferEngine::UcxMovesMemoryOf(Pool& pool, const std::string& peer_host) const {
   return ucx_ != nullptr && pool.backend().device() == ucx_->device_memory() &&
          ucx_->DeviceMemoryTo(!peer_host.empty() && peer_host == ucx_->host());
@@ -433,6 +440,7 @@ absl::StatusOr<std::unique_ptr<Reader>> TransferEngine::Offer(
   offer->set_message_bytes(static_cast<uint64_t>(per_message * page_bytes));
   offer->set_units(pages.size() * layers.size());
   offer->set_host(ucx_->host());
+  offer->set_lanes(static_cast<uint32_t>(LanesFor(*pool)));
   KVF_ASSIGN_OR_RETURN(std::string nonce, PeerNonce());
   offer->set_nonce(std::move(nonce));
   return reader;
@@ -495,15 +503,24 @@ absl::StatusOr<std::unique_ptr<TransferEngine::Receiving>> TransferEngine::Recei
   absl::BitGen random;
   const uint64_t id = absl::Uniform<uint64_t>(random, 1, uint64_t{1} << 40);
   const bool on_device = r->write->device_staging();
-  KVF_ASSIGN_OR_RETURN(r->receives, ucx_->PostReceives(UcxTag(id, 0), std::move(messages),
-                                                       r->write, on_device, std::move(blocks)));
+  // As many lanes as both sides have (message i on lane i % lanes, on both).
+  const int lanes =
+      std::clamp(static_cast<int>(std::min<uint32_t>(offer.lanes(), kMaxUcxLanes)), 1,
+                 LanesFor(*pool));
+  r->lanes = lanes;
+  KVF_ASSIGN_OR_RETURN(r->receives,
+                       ucx_->PostReceives(UcxTag(id, 0), std::move(messages), r->write,
+                                          on_device, std::move(blocks), lanes));
   ready->set_worker_address(ucx_->address());
+  for (int lane = 1; lane < lanes; ++lane) ready->add_lane_addresses(ucx_->addresses()[lane]);
   ready->set_host(ucx_->host());
   ready->set_transfer_id(id);
   ready->set_transport(ucx_->transports());
   if (!options_.secret.empty()) {
+    const std::vector<std::string> lane_addresses(ready->lane_addresses().begin(),
+                                                  ready->lane_addresses().end());
     ready->set_mac(PeerReadyMac(options_.secret, offer.nonce(), id, ready->worker_address(),
-                                ready->host(), ready->transport()));
+                                ready->host(), ready->transport(), lane_addresses));
   }
   return r;
 }
@@ -514,8 +531,16 @@ absl::Status TransferEngine::SendAll(std::unique_ptr<Reader> owned, const v1::Pe
   // UCX trusts a worker address fully (a forged one crashes the process unpacking it): only
   // an address the ready proves is a daemon's is connected to.
   KVF_RETURN_IF_ERROR(CheckReady(offer, ready));
-  KVF_ASSIGN_OR_RETURN(std::unique_ptr<UcxWorker::Sender> sender,
-                       ucx_->Connect(ready.worker_address()));
+  // Lane j of this daemon to the receiver's lane j; never more lanes than were offered.
+  std::vector<std::string> addresses = {ready.worker_address()};
+  addresses.insert(addresses.end(), ready.lane_addresses().begin(), ready.lane_addresses().end());
+  if (addresses.size() > std::max<size_t>(1, offer.lanes())) {
+    return Error(absl::StatusCode::kInternal, ErrorReason::kInternalError,
+                 absl::StrCat("the receiving peer answered with ", addresses.size(),
+                              " UCX lanes, more than the ", offer.lanes(),
+                              " offered: nothing was sent"));
+  }
+  KVF_ASSIGN_OR_RETURN(std::unique_ptr<UcxWorker::Sender> sender, ucx_->Connect(addresses));
   Reader& reader = *owned;
   // Batches in memory at once. The call that returns batch i launches batch i+1 into the
   // slot of batch i+1-depth, so message i+1-depth must be complete before it, and message i
@@ -526,7 +551,8 @@ absl::Status TransferEngine::SendAll(std::unique_ptr<Reader> owned, const v1::Pe
   // message i-1 is still on the wire while batch i+1 is gathered, and two messages are in
   // flight (bench/RESULTS.md). --peer_send_depth sets it (--peer_device_send_depth for
   // batches left in device memory).
-  PrepareSend(reader, on_device);  // a first batch prefetched for other memory launches again
+  // A first batch prefetched for other memory launches again.
+  PrepareSend(reader, on_device, offer.lanes());
   const int kDepth = reader.depth();
   const uint64_t total = offer.units() * offer.page_bytes();
   uint64_t sent = 0;
@@ -565,8 +591,13 @@ absl::Status TransferEngine::SendAll(std::unique_ptr<Reader> owned, const v1::Pe
   return absl::OkStatus();
 }
 
-void TransferEngine::PrepareSend(Reader& reader, bool on_device) const {
-  reader.set_depth(on_device ? options_.device_send_depth : options_.send_depth);
+void TransferEngine::PrepareSend(Reader& reader, bool on_device, uint32_t offered_lanes) const {
+  // Host batches: depth - 1 messages in flight on each lane (the receiver may answer with
+  // fewer lanes than this daemon has: deeper than needed then, never too shallow). Device
+  // batches are few and large (device memory): at least one in flight per lane.
+  const int lanes = static_cast<int>(std::clamp<uint32_t>(offered_lanes, 1, kMaxUcxLanes));
+  reader.set_depth(on_device ? std::max(options_.device_send_depth, lanes + 1)
+                             : std::min(64, 1 + (options_.send_depth - 1) * lanes));
   reader.set_device_output(on_device);
 }
 
@@ -614,7 +645,8 @@ absl::Status TransferEngine::Push(const TenantAccount& tenant, const v1::PushReq
     // The first batch is gathered while the peer reserves its pages, into the memory it will
     // most likely want: as for its host when it last answered (SendAll launches the batch
     // again if the ready says otherwise).
-    PrepareSend(*reader, UcxMovesMemoryOf(*pool, LastHostOf(req.to_address())));
+    PrepareSend(*reader, UcxMovesMemoryOf(*pool, LastHostOf(req.to_address())),
+                offer.offer().lanes());
     if (absl::Status s = reader->Prefetch(); !s.ok()) {
       call.Cancel();
       return s;
@@ -789,14 +821,15 @@ absl::Status TransferEngine::Serve(
       const Clock::time_point received = Clock::now();
       KVF_ASSIGN_OR_RETURN(const int64_t committed, receiving->Commit());
       log::Debug("push received: {} bytes{}, {:.3f} ms (staging and receives posted {:.3f}, "
-                 "bytes {:.3f}, commit {:.3f})",
+                 "bytes {:.3f}, commit {:.3f}; {} lane(s))",
                  receiving->bytes,
                  receiving->in_place                   ? " in place"
                  : receiving->write->device_staging() ? " through device staging"
                  : receiving->write->mirrored()       ? " through host staging, copied to the device as it arrived"
                                                       : "",
                  log::Millis(t0, Clock::now()), log::Millis(t0, posted),
-                 log::Millis(posted, received), log::Millis(received, Clock::now()));
+                 log::Millis(posted, received), log::Millis(received, Clock::now()),
+                 receiving->lanes);
       bytes = static_cast<uint64_t>(receiving->bytes);
       v1::PeerMessage done;
       done.mutable_done()->set_pages(static_cast<uint64_t>(committed));
@@ -829,7 +862,7 @@ absl::Status TransferEngine::Serve(
       // The first batch is gathered while the receiver reserves its pages, into the memory
       // its host (named in the request) gets (SendAll launches it again if the ready says
       // otherwise).
-      PrepareSend(*reader, UcxMovesMemoryOf(*pool, request.host()));
+      PrepareSend(*reader, UcxMovesMemoryOf(*pool, request.host()), offer.offer().lanes());
       KVF_RETURN_IF_ERROR(reader->Prefetch());
       v1::PeerMessage ready;
       if (!stream->Read(&ready) || !ready.has_ready()) {

@@ -119,8 +119,13 @@ class TransferEngine {
   absl::Status SendAll(std::unique_ptr<Reader> reader, const v1::PeerOffer& offer,
                        const v1::PeerReady& ready, bool on_device,
                        const UcxWorker::CancelCheck& cancelled);
-  // Sender: the reader's depth and output memory for a transfer from `on_device` memory.
-  void PrepareSend(Reader& reader, bool on_device) const;
+  // Sender: the reader's depth and output memory for a transfer from `on_device` memory
+  // over the lanes it offered.
+  void PrepareSend(Reader& reader, bool on_device, uint32_t offered_lanes) const;
+  // The UCX lanes a transfer of `pool`'s pages may spread over: every lane for a host
+  // memory pool; one for a GPU pool (lanes are not yet verified on a GPU machine, and
+  // device memory moves through cuda_ipc or RDMA, not one core's socket copies).
+  int LanesFor(Pool& pool) const;
   // Sender: the host of the peer at `address` as its last ready said (empty: none yet).
   std::string LastHostOf(const std::string& address);
   absl::Duration idle() const { return absl::Seconds(options_.timeout_seconds); }

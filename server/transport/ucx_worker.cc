@@ -1,4 +1,5 @@
-// UcxWorker: one UCX worker, one progress thread, tagged messages between daemons.
+// UcxWorker: one UCX context, a worker and a progress thread per lane, tagged messages
+// between daemons.
 #include "transport/ucx_worker.h"
 
 #include <sys/epoll.h>
@@ -7,10 +8,13 @@
 #include <uct/api/uct.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <fstream>
 #include <future>
@@ -21,6 +25,7 @@
 #include "common/errors.h"
 #include "common/log.h"
 #include "kvferry/mutex.h"
+#include "kvferry/kernels/cpu_thread_pool.h"
 #include "kvferry/kernels/status_macros.h"
 
 namespace kvferry::server {
@@ -40,7 +45,9 @@ struct Group {
   absl::Status error;     // the first failure
   bool abandoned = false; // nobody waits: cancelled receives are not errors any more; sends:
                           // their memory goes with the last to end
-  bool released = false;  // receives: abandoned, all ended, and keep_alive dropped
+  bool releasing = false; // receives: abandoned, all ended, and keep_alive taken to be dropped
+  bool released = false;  // receives: ... and dropped
+  int lanes = 1;          // receives: message i is posted on lane i % lanes
   std::vector<void*> requests;            // receives: by message index, null once complete
   std::vector<size_t> expected;           // receives: bytes of each message
   std::vector<int64_t> arrived;           // receives: messages that arrived whole, in order
@@ -131,7 +138,8 @@ void OnReceive(void* request, ucs_status_t status, const ucp_tag_recv_info_t* in
     g.requests[ctx->index] = nullptr;
     --g.inflight;
     ++g.completed;
-    if (g.inflight == 0 && g.abandoned) {
+    if (g.inflight == 0 && g.abandoned && !g.releasing) {
+      g.releasing = true;
       release = std::move(g.keep_alive);
       last = true;
     }
@@ -164,33 +172,33 @@ void OnSend(void* request, ucs_status_t status, void* user_data) {
   ucp_request_free(request);
 }
 
-// Progress thread: marks the group abandoned and cancels its receives still posted. A
-// cancel completes its request at once, in its callback, which takes the group's lock: the
-// requests are collected first and cancelled outside it.
-void CancelReceives(ucp_worker_h worker, Group& g) {
+// Progress thread of `lane`: marks the group abandoned and cancels its receives still posted
+// on that lane. A cancel completes its request at once, in its callback, which takes the
+// group's lock: the requests are collected first and cancelled outside it.
+void CancelReceives(ucp_worker_h worker, Group& g, int lane) {
   std::vector<void*> posted;
   {
     std::lock_guard lock(g.mu);
     g.abandoned = true;
-    for (void* r : g.requests) {
-      if (r != nullptr) posted.push_back(r);
+    for (size_t i = static_cast<size_t>(lane); i < g.requests.size();
+         i += static_cast<size_t>(g.lanes)) {
+      if (g.requests[i] != nullptr) posted.push_back(g.requests[i]);
     }
   }
   for (void* r : posted) ucp_request_cancel(worker, r);
 }
 
-// Progress thread: cancels what is still posted and, once no receive is in flight, drops
-// the group's hold on the memory (otherwise the last receive to end drops it, OnReceive).
-void AbandonReceives(ucp_worker_h worker, Group& g) {
-  CancelReceives(worker, g);
+// After every lane cancelled its receives: once no receive is in flight, drops the group's
+// hold on the memory (otherwise the last receive to end drops it, OnReceive, and says so).
+void ReleaseIfEnded(Group& g) {
   std::shared_ptr<void> release;
-  bool ended = false;
   {
     std::lock_guard lock(g.mu);
-    ended = g.inflight == 0;
-    if (ended) release = std::move(g.keep_alive);
+    // Taken already: by the last receive's callback, which says so once it dropped it.
+    if (g.inflight != 0 || g.releasing) return;
+    g.releasing = true;
+    release = std::move(g.keep_alive);
   }
-  if (!ended) return;
   release.reset();  // before `released` says so: a waiter may hold the other reference
   std::lock_guard lock(g.mu);
   g.released = true;
@@ -268,9 +276,10 @@ std::string HostId() {
 
 // ---- registrations -------------------------------------------------------------------------
 
-// Blocks registered with the context (ucp_mem_map), by base address. Mapped on the progress
-// thread at a block's first use, unmapped on the thread that frees the block (Released) or
-// when the worker ends; the context is created thread-safe for that (mt_workers_shared).
+// Blocks registered with the context (ucp_mem_map), by base address: one registration serves
+// every lane's worker. Mapped on a progress thread at a block's first use, unmapped on the
+// thread that frees the block (Released) or when the worker ends; the context is created
+// thread-safe for that (mt_workers_shared).
 class UcxWorker::Registry final : public ReleaseListener {
  public:
   explicit Registry(ucp_context_h context) : context_(context) {}
@@ -361,7 +370,7 @@ struct Endpoint {
 };
 
 struct UcxWorker::State {
-  ucp_context_h context = nullptr;
+  int lane = 0;
   ucp_worker_h worker = nullptr;
   int event_fd = -1;  // the worker's
   int wake_fd = -1;   // eventfd: a task was queued
@@ -490,8 +499,6 @@ void OnEndpointError(void* arg, ucp_ep_h, ucs_status_t status) {
 
 absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxOptions& options) {
   std::unique_ptr<UcxWorker> w(new UcxWorker());
-  auto state = std::make_shared<State>();
-  if (options.abandon_grace > absl::ZeroDuration()) state->abandon_grace = options.abandon_grace;
   ucp_config_t* config = nullptr;
   if (ucs_status_t s = ucp_config_read(nullptr, nullptr, &config); s != UCS_OK) {
     return UcxError("ucp_config_read", s);
@@ -528,37 +535,46 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxOptions& o
   params.features = UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP;
   // Registrations are released on the thread that frees their block (Registry).
   params.mt_workers_shared = 1;
-  ucs_status_t s = ucp_init(&params, config, &state->context);
+  ucp_context_h context = nullptr;
+  ucs_status_t s = ucp_init(&params, config, &context);
   ucp_config_release(config);
   if (s != UCS_OK) return UcxError("ucp_init", s);
-  ucp_worker_params_t wparams{};
-  wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-  wparams.thread_mode = UCS_THREAD_MODE_SINGLE;  // only the progress thread touches it
-  if (s = ucp_worker_create(state->context, &wparams, &state->worker); s != UCS_OK) {
-    ucp_cleanup(state->context);
-    return UcxError("ucp_worker_create", s);
-  }
-  ucp_address_t* address = nullptr;
-  size_t length = 0;
-  if (s = ucp_worker_get_address(state->worker, &address, &length); s != UCS_OK) {
-    ucp_worker_destroy(state->worker);
-    ucp_cleanup(state->context);
-    return UcxError("ucp_worker_get_address", s);
-  }
-  w->address_.assign(reinterpret_cast<const char*>(address), length);
-  ucp_worker_release_address(state->worker, address);
-  if (s = ucp_worker_get_efd(state->worker, &state->event_fd); s != UCS_OK) {
-    ucp_worker_destroy(state->worker);
-    ucp_cleanup(state->context);
-    return UcxError("ucp_worker_get_efd", s);
-  }
-  state->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  state->epoll_fd = epoll_create1(EPOLL_CLOEXEC);
-  for (int fd : {state->event_fd, state->wake_fd}) {
-    epoll_event ev{};
-    ev.events = EPOLLIN;
-    ev.data.fd = fd;
-    epoll_ctl(state->epoll_fd, EPOLL_CTL_ADD, fd, &ev);
+  w->context_ = context;  // from here on, ~UcxWorker cleans up what was made
+  const int lanes = options.lanes > 0 ? std::min(options.lanes, kMaxUcxLanes)
+                                      : UcxAutoLanes(cpu::DefaultThreadCount());
+  for (int lane = 0; lane < lanes; ++lane) {
+    auto state = std::make_shared<State>();
+    state->lane = lane;
+    if (options.abandon_grace > absl::ZeroDuration()) state->abandon_grace = options.abandon_grace;
+    ucp_worker_params_t wparams{};
+    wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wparams.thread_mode = UCS_THREAD_MODE_SINGLE;  // only its progress thread touches it
+    if (s = ucp_worker_create(context, &wparams, &state->worker); s != UCS_OK) {
+      return UcxError("ucp_worker_create", s);
+    }
+    w->lanes_.push_back(state);
+    ucp_address_t* address = nullptr;
+    size_t length = 0;
+    if (s = ucp_worker_get_address(state->worker, &address, &length); s != UCS_OK) {
+      return UcxError("ucp_worker_get_address", s);
+    }
+    w->addresses_.emplace_back(reinterpret_cast<const char*>(address), length);
+    ucp_worker_release_address(state->worker, address);
+    if (s = ucp_worker_get_efd(state->worker, &state->event_fd); s != UCS_OK) {
+      return UcxError("ucp_worker_get_efd", s);
+    }
+    state->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    state->epoll_fd = epoll_create1(EPOLL_CLOEXEC);
+    if (state->wake_fd < 0 || state->epoll_fd < 0) {
+      return Error(absl::StatusCode::kUnavailable, ErrorReason::kTransportUnavailable,
+                   absl::StrCat("ucx: no event fd for a progress thread: ", std::strerror(errno)));
+    }
+    for (int fd : {state->event_fd, state->wake_fd}) {
+      epoll_event ev{};
+      ev.events = EPOLLIN;
+      ev.data.fd = fd;
+      epoll_ctl(state->epoll_fd, EPOLL_CTL_ADD, fd, &ev);
+    }
   }
   const char* env = std::getenv("UCX_TLS");
   w->transports_ = !options.transports.empty() ? options.transports
@@ -568,10 +584,10 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxOptions& o
   // only to peers that one of its transports reaches without the host.
   ucp_context_attr_t attr{};
   attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
-  if (!options.device.empty() && ucp_context_query(state->context, &attr) == UCS_OK &&
+  if (!options.device.empty() && ucp_context_query(context, &attr) == UCS_OK &&
       (attr.memory_types & UCS_BIT(UCS_MEMORY_TYPE_CUDA)) != 0) {
     w->device_memory_ = options.device;
-    const std::string resources = ContextResources(state->context);
+    const std::string resources = ContextResources(context);
     w->cuda_ipc_ = resources.find(" cuda_ipc/") != std::string::npos;
     w->gpudirect_rdma_ = GpuDirectRdma(resources);
     log::Info("ucx: {} memory moves directly to peers on this host: {}, to other hosts: {}",
@@ -579,33 +595,38 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxOptions& o
               w->gpudirect_rdma_ ? "yes (GPUDirect RDMA)" : "no");
   }
   w->host_ = HostId();
-  w->registry_ = std::make_shared<Registry>(state->context);
-  w->state_ = std::move(state);
-  w->thread_ = std::thread([raw = w.get(), bind = options.bind_device] {
-    if (bind) bind();
-    raw->Loop();
-  });
+  w->registry_ = std::make_shared<Registry>(context);
+  for (const std::shared_ptr<State>& lane : w->lanes_) {
+    w->threads_.emplace_back([state = lane.get(), bind = options.bind_device] {
+      if (bind) bind();
+      Loop(*state);
+    });
+  }
   return w;
 }
 
 UcxWorker::~UcxWorker() {
-  if (state_ == nullptr) return;
-  {
-    std::lock_guard lock(state_->mu);
-    state_->stop = true;
+  for (size_t j = 0; j < threads_.size(); ++j) {
+    State& st = *lanes_[j];
+    {
+      std::lock_guard lock(st.mu);
+      st.stop = true;
+    }
+    const uint64_t one = 1;
+    [[maybe_unused]] ssize_t n = write(st.wake_fd, &one, sizeof(one));
   }
-  const uint64_t one = 1;
-  [[maybe_unused]] ssize_t n = write(state_->wake_fd, &one, sizeof(one));
-  thread_.join();
-  registry_->Close();  // every request has ended; the backends' blocks outlive the context
-  ucp_worker_destroy(state_->worker);
-  ucp_cleanup(state_->context);
-  close(state_->epoll_fd);
-  close(state_->wake_fd);
+  for (std::thread& t : threads_) t.join();
+  // Every request has ended; the backends' blocks outlive the context.
+  if (registry_ != nullptr) registry_->Close();
+  for (const std::shared_ptr<State>& st : lanes_) {
+    ucp_worker_destroy(st->worker);
+    if (st->epoll_fd >= 0) close(st->epoll_fd);
+    if (st->wake_fd >= 0) close(st->wake_fd);
+  }
+  if (context_ != nullptr) ucp_cleanup(context_);
 }
 
-void UcxWorker::Loop() {
-  State& st = *state_;
+void UcxWorker::Loop(State& st) {
   for (;;) {
     std::deque<std::function<void()>> tasks;
     bool stop = false;
@@ -621,7 +642,7 @@ void UcxWorker::Loop() {
     st.RetireEnded();
     if (stop) {
       // Cancel what is still posted, close every endpoint, and progress until UCX is done.
-      for (const auto& g : st.receives) CancelReceives(st.worker, *g);
+      for (const auto& g : st.receives) CancelReceives(st.worker, *g, st.lane);
       std::vector<std::shared_ptr<Endpoint>> open;
       for (auto& [address, e] : st.endpoints) open.push_back(e);
       for (auto& r : st.retiring) open.push_back(r.endpoint);
@@ -659,16 +680,12 @@ namespace {
 
 class ReceivesImpl final : public UcxWorker::Receives {
  public:
-  ReceivesImpl(std::shared_ptr<UcxWorker::State> state, std::shared_ptr<Group> group)
-      : state_(std::move(state)), group_(std::move(group)) {}
+  // `lanes`: the states of the lanes the receives were posted on, lane 0 first.
+  ReceivesImpl(std::vector<std::shared_ptr<UcxWorker::State>> lanes, std::shared_ptr<Group> group)
+      : lanes_(std::move(lanes)), group_(std::move(group)) {}
   ~ReceivesImpl() override {
     // Cancel what is still posted; the group keeps the memory until every receive ended.
-    std::shared_ptr<UcxWorker::State> state = state_;
-    std::shared_ptr<Group> group = group_;
-    state->Call([&] {
-      AbandonReceives(state->worker, *group);
-      return 0;
-    });
+    CancelAll();
   }
   absl::Status Wait(absl::Duration idle, const UcxWorker::CancelCheck& cancelled) override {
     return group_->Wait(idle, cancelled, "receiving pages from the peer");
@@ -684,20 +701,29 @@ class ReceivesImpl final : public UcxWorker::Receives {
     return out;
   }
   bool Abandon(absl::Duration bound) override {
-    std::shared_ptr<UcxWorker::State> state = state_;
+    CancelAll();
     std::shared_ptr<Group> group = group_;
-    // AbandonReceives and OnReceive both run on the progress thread: they cannot interleave.
-    state->Call([&] {
-      AbandonReceives(state->worker, *group);
-      return 0;
-    });
     std::unique_lock lock(group->mu);
     return group->cv.wait_for(lock, absl::ToChronoNanoseconds(bound),
                               [&] { return group->released; });
   }
 
  private:
-  std::shared_ptr<UcxWorker::State> state_;
+  // Each lane cancels its receives on its own progress thread (where its callbacks run);
+  // whoever sees the last receive end drops the memory (ReleaseIfEnded, OnReceive).
+  void CancelAll() {
+    std::shared_ptr<Group> group = group_;
+    for (const std::shared_ptr<UcxWorker::State>& lane : lanes_) {
+      lane->Call([&] {
+        CancelReceives(lane->worker, *group, lane->lane);
+        return 0;
+      });
+    }
+    ReleaseIfEnded(*group);
+    group->cv.notify_all();
+  }
+
+  std::vector<std::shared_ptr<UcxWorker::State>> lanes_;
   std::shared_ptr<Group> group_;
   size_t reported_ = 0;  // WaitArrived: messages of group_->arrived already returned
 };
@@ -706,9 +732,15 @@ class ReceivesImpl final : public UcxWorker::Receives {
 
 absl::StatusOr<std::unique_ptr<UcxWorker::Receives>> UcxWorker::PostReceives(
     uint64_t tag_base, std::vector<std::vector<std::span<uint8_t>>> messages,
-    std::shared_ptr<void> keep_alive, bool on_device, std::vector<MemoryBlock> blocks) {
+    std::shared_ptr<void> keep_alive, bool on_device, std::vector<MemoryBlock> blocks,
+    int lanes) {
+  if (lanes < 1 || lanes > this->lanes()) {
+    return Error(absl::StatusCode::kInternal, ErrorReason::kInternalError,
+                 absl::StrCat("receives on ", lanes, " lanes; this daemon has ", this->lanes()));
+  }
   auto group = std::make_shared<Group>();
   group->keep_alive = std::move(keep_alive);
+  group->lanes = lanes;
   group->requests.assign(messages.size(), nullptr);
   for (const auto& pieces : messages) {
     std::vector<ucp_dt_iov_t> iov;
@@ -720,57 +752,63 @@ absl::StatusOr<std::unique_ptr<UcxWorker::Receives>> UcxWorker::PostReceives(
     group->iovs.push_back(std::move(iov));
     group->expected.push_back(bytes);
   }
-  std::shared_ptr<State> state = state_;
+  std::vector<std::shared_ptr<State>> used(lanes_.begin(), lanes_.begin() + lanes);
   Registry& registry = *registry_;
-  absl::Status posted = state->Call([&]() -> absl::Status {
-    for (size_t i = 0; i < group->iovs.size(); ++i) {
-      auto* ctx = new RequestContext{group, static_cast<int64_t>(i)};
-      ucp_request_param_t param{};
-      param.op_attr_mask =
-          UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
-      param.cb.recv = OnReceive;
-      param.user_data = ctx;
-      SetMemoryType(param, on_device);
-      // One piece: a contiguous receive, which UCX's rendezvous moves zero-copy; several:
-      // an I/O vector (UCX copies those through bounce buffers).
-      const std::vector<ucp_dt_iov_t>& iov = group->iovs[i];
-      const bool contiguous = iov.size() == 1;
-      param.datatype = contiguous ? ucp_dt_make_contig(1) : ucp_dt_make_iov();
-      if (contiguous && i < blocks.size()) {
-        SetMemh(param, registry.Get(blocks[i], iov[0].buffer, iov[0].length, on_device));
-      }
-      void* request = contiguous
-          ? ucp_tag_recv_nbx(state->worker, iov[0].buffer, iov[0].length, tag_base + i,
-                             ~ucp_tag_t{0}, &param)
-          : ucp_tag_recv_nbx(state->worker, group->iovs[i].data(), iov.size(), tag_base + i,
-                             ~ucp_tag_t{0}, &param);
-      if (UCS_PTR_IS_ERR(request)) {
-        delete ctx;
+  absl::Status posted = absl::OkStatus();
+  for (const std::shared_ptr<State>& state : used) {
+    posted = state->Call([&]() -> absl::Status {
+      for (size_t i = static_cast<size_t>(state->lane); i < group->iovs.size();
+           i += static_cast<size_t>(lanes)) {
+        auto* ctx = new RequestContext{group, static_cast<int64_t>(i)};
+        ucp_request_param_t param{};
+        param.op_attr_mask =
+            UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+        param.cb.recv = OnReceive;
+        param.user_data = ctx;
+        SetMemoryType(param, on_device);
+        // One piece: a contiguous receive, which UCX's rendezvous moves zero-copy; several:
+        // an I/O vector (UCX copies those through bounce buffers).
+        const std::vector<ucp_dt_iov_t>& iov = group->iovs[i];
+        const bool contiguous = iov.size() == 1;
+        param.datatype = contiguous ? ucp_dt_make_contig(1) : ucp_dt_make_iov();
+        if (contiguous && i < blocks.size()) {
+          SetMemh(param, registry.Get(blocks[i], iov[0].buffer, iov[0].length, on_device));
+        }
+        void* request = contiguous
+            ? ucp_tag_recv_nbx(state->worker, iov[0].buffer, iov[0].length, tag_base + i,
+                               ~ucp_tag_t{0}, &param)
+            : ucp_tag_recv_nbx(state->worker, group->iovs[i].data(), iov.size(), tag_base + i,
+                               ~ucp_tag_t{0}, &param);
+        if (UCS_PTR_IS_ERR(request)) {
+          delete ctx;
+          std::lock_guard lock(group->mu);
+          group->Fail(UcxError("posting a receive", UCS_PTR_STATUS(request)));
+          break;
+        }
+        if (request == nullptr) {
+          // Complete at once: its message had come before the receive was posted, which no
+          // sender following the protocol does (it sends after the ready). UCX 1.13 then says
+          // nothing of the message's length, so the bytes cannot be trusted: the transfer
+          // fails.
+          delete ctx;
+          std::lock_guard lock(group->mu);
+          group->Fail(Error(absl::StatusCode::kInternal, ErrorReason::kInternalError,
+                            absl::StrCat("message ", i, " of the transfer came before its "
+                                         "receive was posted (a peer that sent too early)")));
+          ++group->completed;
+          continue;
+        }
         std::lock_guard lock(group->mu);
-        group->Fail(UcxError("posting a receive", UCS_PTR_STATUS(request)));
-        break;
+        group->requests[i] = request;
+        ++group->inflight;
       }
-      if (request == nullptr) {
-        // Complete at once: its message had come before the receive was posted, which no
-        // sender following the protocol does (it sends after the ready). UCX 1.13 then says
-        // nothing of the message's length, so the bytes cannot be trusted: the transfer fails.
-        delete ctx;
-        std::lock_guard lock(group->mu);
-        group->Fail(Error(absl::StatusCode::kInternal, ErrorReason::kInternalError,
-                          absl::StrCat("message ", i, " of the transfer came before its "
-                                       "receive was posted (a peer that sent too early)")));
-        ++group->completed;
-        continue;
-      }
+      state->receives.push_back(group);
       std::lock_guard lock(group->mu);
-      group->requests[i] = request;
-      ++group->inflight;
-    }
-    state->receives.push_back(group);
-    std::lock_guard lock(group->mu);
-    return group->error;
-  });
-  auto receives = std::make_unique<ReceivesImpl>(state_, group);
+      return group->error;
+    });
+    if (!posted.ok()) break;
+  }
+  auto receives = std::make_unique<ReceivesImpl>(std::move(used), group);
   if (!posted.ok()) return posted;  // ~ReceivesImpl cancels what was posted
   return receives;
 }
@@ -781,10 +819,14 @@ namespace {
 
 class SenderImpl final : public UcxWorker::Sender {
  public:
-  SenderImpl(std::shared_ptr<UcxWorker::State> state,
-             std::shared_ptr<UcxWorker::Registry> registry, std::shared_ptr<Endpoint> endpoint)
-      : state_(std::move(state)), registry_(std::move(registry)),
-        endpoint_(std::move(endpoint)), group_(std::make_shared<Group>()) {}
+  // One lane of the sender: its state and its endpoint to the peer's lane of that number.
+  struct Lane {
+    std::shared_ptr<UcxWorker::State> state;
+    std::shared_ptr<Endpoint> endpoint;
+  };
+  SenderImpl(std::shared_ptr<UcxWorker::Registry> registry, std::vector<Lane> lanes)
+      : registry_(std::move(registry)), lanes_(std::move(lanes)),
+        group_(std::make_shared<Group>()) {}
 
   absl::Status Post(uint64_t tag, std::span<const uint8_t> data, bool on_device,
                     MemoryBlock block) override {
@@ -793,13 +835,14 @@ class SenderImpl final : public UcxWorker::Sender {
       KVF_RETURN_IF_ERROR(group_->error);
     }
     const int64_t index = posted_++;
-    UcxWorker::State& st = *state_;
-    absl::Status posted = st.Call([&]() -> absl::Status {
-      if (endpoint_->ep == nullptr || !endpoint_->error.ok()) {
-        return endpoint_->error.ok()
+    const Lane& lane = lanes_[static_cast<size_t>(index) % lanes_.size()];
+    const std::shared_ptr<Endpoint>& endpoint = lane.endpoint;
+    absl::Status posted = lane.state->Call([&]() -> absl::Status {
+      if (endpoint->ep == nullptr || !endpoint->error.ok()) {
+        return endpoint->error.ok()
                    ? Error(absl::StatusCode::kUnavailable, ErrorReason::kPeerUnavailable,
                            "the connection to the peer was closed")
-                   : endpoint_->error;
+                   : endpoint->error;
       }
       auto* ctx = new RequestContext{group_, index};
       ucp_request_param_t param{};
@@ -808,7 +851,7 @@ class SenderImpl final : public UcxWorker::Sender {
       param.user_data = ctx;
       SetMemoryType(param, on_device);
       SetMemh(param, registry_->Get(block, data.data(), data.size(), on_device));
-      void* request = ucp_tag_send_nbx(endpoint_->ep, data.data(), data.size(), tag, &param);
+      void* request = ucp_tag_send_nbx(endpoint->ep, data.data(), data.size(), tag, &param);
       if (request == nullptr) {
         delete ctx;
         std::lock_guard lock(group_->mu);
@@ -848,17 +891,19 @@ class SenderImpl final : public UcxWorker::Sender {
     }
     if (busy && !closed_) {
       closed_ = true;
-      state_->Call([&] {
-        state_->Retire(endpoint_, group_);
-        return 0;
-      });
+      for (const Lane& lane : lanes_) {
+        lane.state->Call([&] {
+          lane.state->Retire(lane.endpoint, group_);
+          return 0;
+        });
+      }
     }
     Leave();
   }
 
-  // An owner that did not abandon a failed transfer: the endpoint is closed by force and the
-  // sends waited for (a forced close completes them at once), since the memory they read is
-  // about to go.
+  // An owner that did not abandon a failed transfer: the endpoints are closed by force and
+  // the sends waited for (a forced close completes them at once), since the memory they read
+  // is about to go.
   ~SenderImpl() override {
     bool busy;
     {
@@ -866,10 +911,12 @@ class SenderImpl final : public UcxWorker::Sender {
       busy = group_->inflight > 0;
     }
     if (busy && !closed_) {
-      state_->Call([&] {
-        state_->Close(endpoint_);
-        return 0;
-      });
+      for (const Lane& lane : lanes_) {
+        lane.state->Call([&] {
+          lane.state->Close(lane.endpoint);
+          return 0;
+        });
+      }
       std::unique_lock lock(group_->mu);
       group_->cv.wait(lock, [&] { return group_->inflight == 0; });
     }
@@ -877,59 +924,76 @@ class SenderImpl final : public UcxWorker::Sender {
   }
 
  private:
-  // This sender no longer uses its endpoint (Endpoint::senders).
+  // This sender no longer uses its endpoints (Endpoint::senders).
   void Leave() {
     if (left_) return;
     left_ = true;
-    endpoint_->senders.fetch_sub(1);
+    for (const Lane& lane : lanes_) lane.endpoint->senders.fetch_sub(1);
   }
 
-  std::shared_ptr<UcxWorker::State> state_;
   std::shared_ptr<UcxWorker::Registry> registry_;
-  std::shared_ptr<Endpoint> endpoint_;
+  std::vector<Lane> lanes_;
   std::shared_ptr<Group> group_;
   int64_t posted_ = 0;
   bool closed_ = false;
   bool left_ = false;
 };
 
+// Lane `state`'s endpoint to the worker at `address`: the cached one while it works, else a
+// new one. Counts the caller among its senders.
+absl::StatusOr<std::shared_ptr<Endpoint>> LaneEndpoint(UcxWorker::State& state,
+                                                      const std::string& address) {
+  return state.Call([&]() -> absl::StatusOr<std::shared_ptr<Endpoint>> {
+    if (auto it = state.endpoints.find(address); it != state.endpoints.end()) {
+      if (it->second->error.ok() && it->second->ep != nullptr) {
+        it->second->senders.fetch_add(1);
+        return it->second;
+      }
+      state.Close(it->second);
+    }
+    auto e = std::make_shared<Endpoint>();
+    e->address = address;
+    ucp_ep_params_t params{};
+    params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
+                        UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    params.address = reinterpret_cast<const ucp_address_t*>(address.data());
+    params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    params.err_handler.cb = OnEndpointError;
+    params.err_handler.arg = e.get();
+    // Every endpoint reports its peer's failure, so that no request to a dead peer stays
+    // in flight. UCX 1.13's posix and sysv transports cannot (their shared memory is
+    // reached through tcp or cma then); with only those, the peer is unreachable.
+    if (ucs_status_t s = ucp_ep_create(state.worker, &params, &e->ep); s != UCS_OK) {
+      return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kTransportUnavailable,
+                   absl::StrCat("connecting to the peer's UCX worker: ", ucs_status_string(s),
+                                " (no transport of this daemon reaches the peer and reports "
+                                "its failure; posix and sysv alone cannot: add cma or tcp)"));
+    }
+    e->senders.fetch_add(1);
+    state.endpoints[address] = e;
+    return e;
+  });
+}
+
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<UcxWorker::Sender>> UcxWorker::Connect(const std::string& address) {
-  std::shared_ptr<State> state = state_;
-  absl::StatusOr<std::shared_ptr<Endpoint>> endpoint =
-      state->Call([&]() -> absl::StatusOr<std::shared_ptr<Endpoint>> {
-        if (auto it = state->endpoints.find(address); it != state->endpoints.end()) {
-          if (it->second->error.ok() && it->second->ep != nullptr) {
-            it->second->senders.fetch_add(1);
-            return it->second;
-          }
-          state->Close(it->second);
-        }
-        auto e = std::make_shared<Endpoint>();
-        e->address = address;
-        ucp_ep_params_t params{};
-        params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS |
-                            UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
-        params.address = reinterpret_cast<const ucp_address_t*>(address.data());
-        params.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-        params.err_handler.cb = OnEndpointError;
-        params.err_handler.arg = e.get();
-        // Every endpoint reports its peer's failure, so that no request to a dead peer stays
-        // in flight. UCX 1.13's posix and sysv transports cannot (their shared memory is
-        // reached through tcp or cma then); with only those, the peer is unreachable.
-        if (ucs_status_t s = ucp_ep_create(state->worker, &params, &e->ep); s != UCS_OK) {
-          return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kTransportUnavailable,
-                       absl::StrCat("connecting to the peer's UCX worker: ", ucs_status_string(s),
-                                    " (no transport of this daemon reaches the peer and reports "
-                                    "its failure; posix and sysv alone cannot: add cma or tcp)"));
-        }
-        e->senders.fetch_add(1);
-        state->endpoints[address] = e;
-        return e;
-      });
-  if (!endpoint.ok()) return endpoint.status();
-  return std::make_unique<SenderImpl>(state_, registry_, std::move(*endpoint));
+absl::StatusOr<std::unique_ptr<UcxWorker::Sender>> UcxWorker::Connect(
+    const std::vector<std::string>& addresses) {
+  if (addresses.empty() || addresses.size() > lanes_.size()) {
+    return Error(absl::StatusCode::kInternal, ErrorReason::kInternalError,
+                 absl::StrCat("a connection over ", addresses.size(), " lanes; this daemon has ",
+                              lanes_.size()));
+  }
+  std::vector<SenderImpl::Lane> lanes;
+  for (size_t j = 0; j < addresses.size(); ++j) {
+    absl::StatusOr<std::shared_ptr<Endpoint>> endpoint = LaneEndpoint(*lanes_[j], addresses[j]);
+    if (!endpoint.ok()) {
+      for (const SenderImpl::Lane& lane : lanes) lane.endpoint->senders.fetch_sub(1);
+      return endpoint.status();
+    }
+    lanes.push_back({lanes_[j], std::move(*endpoint)});
+  }
+  return std::make_unique<SenderImpl>(registry_, std::move(lanes));
 }
 
 }  // namespace kvferry::server

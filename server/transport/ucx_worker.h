@@ -1,5 +1,12 @@
-// The UCX data plane of one daemon: a UCX context and worker, driven by one progress thread
-// that sleeps on the worker's event fd when idle (never a spinning core).
+// The UCX data plane of one daemon: a UCX context and its workers ("lanes"), each driven by
+// its own progress thread that sleeps on the worker's event fd when idle (never a spinning
+// core).
+//
+// Lanes: a transfer may spread its messages over several workers, message i on lane
+// i % lanes, each lane its own connection to the peer's lane of the same number. Over TCP
+// one connection moves its bytes through one thread's socket copies on each side, so one
+// lane tops out near one core's copy rate; several lanes move a transfer on several cores
+// at once (bench/RESULTS.md). One lane is the single-worker data plane.
 //
 // Bytes move as tagged messages: the receiving daemon posts one receive per message into
 // its staging (an I/O vector over the staging's pieces) before the sender sends, so every
@@ -11,8 +18,8 @@
 // RDMA transports large messages still move zero-copy (UCX's rendezvous protocol).
 //
 // Endpoints are created with peer error handling: a peer that dies completes every
-// request to it with an error. All UCX calls run on the progress thread; the public
-// methods are thread-safe and block the caller, never that thread.
+// request to it with an error. Every UCX call on a worker runs on its lane's progress
+// thread; the public methods are thread-safe and block the caller, never those threads.
 #pragma once
 
 #include <atomic>
@@ -28,6 +35,8 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "backend/backend.h"
+
+struct ucp_context;
 
 namespace kvferry::server {
 
@@ -58,7 +67,16 @@ struct UcxOptions {
   // How long an abandoned transfer's endpoint waits for its messages in flight to end before
   // it is closed by force (Sender::Abandon); zero: 5 s.
   absl::Duration abandon_grace = absl::ZeroDuration();
+  // Workers, each with its progress thread, that a transfer's messages spread over (1 to
+  // kMaxUcxLanes); 0: one per 8 cores this process may use, 1 to 4 (UcxAutoLanes).
+  int lanes = 0;
 };
+
+inline constexpr int kMaxUcxLanes = 16;
+// The lanes of UcxOptions::lanes = 0 for a process that may use `cores` cores: one lane per
+// 8, at least 1 and at most 4 (each lane's thread copies a connection's bytes on its own
+// core at busy times, beside the daemon's other work).
+inline int UcxAutoLanes(int cores) { return cores / 8 < 1 ? 1 : cores / 8 > 4 ? 4 : cores / 8; }
 
 class UcxWorker {
  public:
@@ -68,8 +86,11 @@ class UcxWorker {
   UcxWorker(const UcxWorker&) = delete;
   UcxWorker& operator=(const UcxWorker&) = delete;
 
-  // This worker's address, as a peer connects to it (opaque bytes).
-  const std::string& address() const { return address_; }
+  // The address of lane 0's worker, as a peer connects to it (opaque bytes).
+  const std::string& address() const { return addresses_.front(); }
+  // Every lane's worker address, lane 0 first.
+  const std::vector<std::string>& addresses() const { return addresses_; }
+  int lanes() const { return static_cast<int>(addresses_.size()); }
   // The transports this context was asked for ("default" when UCX chose).
   const std::string& transports() const { return transports_; }
   // The GPU whose memory UCX moves directly ("cuda:N"), or "" when UCX reports no CUDA
@@ -111,19 +132,21 @@ class UcxWorker {
     virtual bool Abandon(absl::Duration bound) = 0;
   };
   // Posts receive i of `messages` (the pieces message i fills, in order) under tag
-  // tag_base + i; `keep_alive` owns the memory and is released once no receive can write.
-  // `on_device`: the pieces are memory of device_memory()'s GPU.
-  // `blocks`: empty, or for each message the block its (single) piece lies in.
+  // tag_base + i, on lane i % `lanes` (1 to lanes()); `keep_alive` owns the memory and is
+  // released once no receive can write. `on_device`: the pieces are memory of
+  // device_memory()'s GPU. `blocks`: empty, or for each message the block its (single) piece
+  // lies in.
   absl::StatusOr<std::unique_ptr<Receives>> PostReceives(
       uint64_t tag_base, std::vector<std::vector<std::span<uint8_t>>> messages,
-      std::shared_ptr<void> keep_alive, bool on_device = false, std::vector<MemoryBlock> blocks = {});
+      std::shared_ptr<void> keep_alive, bool on_device = false, std::vector<MemoryBlock> blocks = {},
+      int lanes = 1);
 
-  // A connection to a peer's worker for one transfer.
+  // A connection to a peer's workers for one transfer.
   class Sender {
    public:
     virtual ~Sender() = default;
-    // Posts `data` as the message `tag`: the n-th Post of this sender is message n of
-    // WaitThrough. `data` must stay valid until WaitThrough says its message completed (or,
+    // Posts `data` as the message `tag` on lane n % lanes: the n-th Post of this sender is
+    // message n of WaitThrough. `data` must stay valid until WaitThrough says its message completed (or,
     // after a failure, as Abandon says). A failure (here or in WaitThrough) is UNAVAILABLE
     // (PEER_UNAVAILABLE) when the peer failed or nothing completed for the idle time; the
     // owner then abandons the transfer. `on_device`: `data` is memory of device_memory()'s
@@ -153,25 +176,30 @@ class UcxWorker {
   };
   Registrations registrations() const;
 
-  // An endpoint to the worker at `address` (cached per address while it works).
-  absl::StatusOr<std::unique_ptr<Sender>> Connect(const std::string& address);
+  // Endpoints from lane j to the peer's worker at `addresses[j]` (at most lanes() of them;
+  // each cached per address while it works).
+  absl::StatusOr<std::unique_ptr<Sender>> Connect(const std::vector<std::string>& addresses);
+  absl::StatusOr<std::unique_ptr<Sender>> Connect(const std::string& address) {
+    return Connect(std::vector<std::string>{address});
+  }
 
-  struct State;  // shared with the UCX callbacks
+  struct State;  // one lane's, shared with the UCX callbacks
   class Registry;
 
  private:
   UcxWorker() = default;
-  void Loop();
+  static void Loop(State& st);
 
-  std::shared_ptr<State> state_;
+  ucp_context* context_ = nullptr;
+  std::vector<std::shared_ptr<State>> lanes_;
   std::shared_ptr<Registry> registry_;
-  std::string address_;
+  std::vector<std::string> addresses_;
   std::string transports_;
   std::string device_memory_;
   bool cuda_ipc_ = false;
   bool gpudirect_rdma_ = false;
   std::string host_;
-  std::thread thread_;
+  std::vector<std::thread> threads_;
 };
 
 // The tag of message `index` of transfer `transfer`: 40 bits of transfer id, 24 of index.

@@ -206,10 +206,12 @@ class TransferTest : public ::testing::TestWithParam<std::string> {
   }
   std::vector<std::string> Flags() const {
     if (GetParam() == "cuda") {
-      return {"--ucx_transports=tcp,cuda_copy,cuda_ipc", "--max_write_bytes=17179869184",
+      return {"--ucx_transports=tcp,cuda_copy,cuda_ipc", "--ucx_lanes=1", "--max_write_bytes=17179869184",
               "--max_staged_write_bytes=34359738368", "--tenant_max_staged_write_bytes=17179869184"};
     }
-    return {GetParam() == "cma" ? "--ucx_transports=tcp,cma" : "--ucx_transports=" + GetParam()};
+    if (GetParam() == "lanes") return {"--ucx_transports=tcp", "--ucx_lanes=3"};
+    return {GetParam() == "cma" ? "--ucx_transports=tcp,cma" : "--ucx_transports=" + GetParam(),
+            "--ucx_lanes=1"};
   }
   int Scale() const { return GetParam() == "cuda" ? 20 : 1; }
 };
@@ -308,6 +310,8 @@ TEST_P(TransferTest, FreshPagesAreReceivedInPlaceAndPagesWithRecordsAreStaged) {
   EXPECT_EQ(ReadAll(b, "dst", dst, {0}), ReadAll(a, "src", src, {0}));
   EXPECT_EQ(count("push received:"), 1);
   EXPECT_EQ(count(" in place,"), 1);
+  // Over as many lanes as both daemons have.
+  EXPECT_EQ(count(GetParam() == "lanes" ? "; 3 lane(s))" : "; 1 lane(s))"), 1);
   // Layer 0 of the destination holds records now: the next push into it is staged.
   ASSERT_TRUE(testing::WriteTokens(a, "src", 0, where, testing::RandomRows(where.size(), 2)).ok());
   Outcome second = Push(a, "src", src, Address(b), "dst", dst, v1::LAYOUT_UNSPECIFIED, {0});
@@ -540,7 +544,9 @@ TEST_P(TransferTest, ADestinationWhoseSenderIsKilledZeroesWhatLandedAndReleasesT
 
 std::string TransportName(const ::testing::TestParamInfo<std::string>& info) { return info.param; }
 
-INSTANTIATE_TEST_SUITE_P(Transports, TransferTest, ::testing::Values("tcp", "cma"), TransportName);
+// "lanes": tcp with every transfer spread over three UCX workers and connections per daemon.
+INSTANTIATE_TEST_SUITE_P(Transports, TransferTest, ::testing::Values("tcp", "cma", "lanes"),
+                         TransportName);
 INSTANTIATE_TEST_SUITE_P(GpuTransports, TransferTest, ::testing::Values("cuda"), TransportName);
 
 // ---- without UCX, and through the command line -----------------------------------------------
@@ -991,13 +997,15 @@ TEST(PeerHostileTest, AReadyNotProvenWithTheSecretIsNeverConnectedTo) {
 }
 
 // Daemons sharing the secret move pages both ways, byte for byte (the receiver's mac
-// checked). A daemon with another secret, or none, cannot prove its ready to one with the
+// checked, over the addresses of all its lanes: a has three, b two, so their transfers run
+// on two). A daemon with another secret, or none, cannot prove its ready to one with the
 // secret: pushes to it are refused (PEER_NOT_AUTHENTICATED) and nothing lands. A daemon
 // without a secret (and without client authentication) trusts its network: its push to a
 // daemon with the secret lands.
 TEST(PeerSecretTransferTest, OnlyDaemonsSharingTheSecretReceiveFromOneThatHasIt) {
   const SecretFile shared("0123456789abcdef0123456789abcdef"), other("a-secret-that-the-others-do-not-have");
-  Daemon a({"--ucx_transports=tcp", shared.flag()}), b({"--ucx_transports=tcp", shared.flag()});
+  Daemon a({"--ucx_transports=tcp", "--ucx_lanes=3", shared.flag()});
+  Daemon b({"--ucx_transports=tcp", "--ucx_lanes=2", shared.flag()});
   Daemon c({"--ucx_transports=tcp", other.flag()}), open({"--ucx_transports=tcp"});
   const uint64_t page_bytes = PageBytes(Layout::kV41, 16);
   const std::string zero(2 * page_bytes, '\0');
@@ -1297,7 +1305,7 @@ TEST(TransferFlagsTest, PipelineBoundsAreCheckedAndEveryDepthMovesTheSameBytes) 
   for (const std::string bad :
        {"--peer_send_depth=1", "--peer_send_depth=65", "--peer_device_send_depth=1",
         "--peer_device_message_bytes=0", "--peer_device_message_bytes=67108865",
-        "--peer_message_bytes=0"}) {
+        "--peer_message_bytes=0", "--ucx_lanes=-1", "--ucx_lanes=17"}) {
     EXPECT_THROW(Daemon({"--ucx_transports=tcp", bad}), std::runtime_error) << bad;
   }
   const uint64_t page_bytes = PageBytes(Layout::kV41, 16);

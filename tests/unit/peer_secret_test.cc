@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <fstream>
 #include <set>
+#include <vector>
 
 namespace kvferry::server {
 namespace {
@@ -42,6 +43,29 @@ TEST(PeerSecretTest, TheMacIsHmacSha256OverTheLengthPrefixedFields) {
   EXPECT_EQ(Hex(mac), "85498ccb223e2fc490f44736474fb6c1a11396bcf349b8a6de5fc32497023924");
   EXPECT_TRUE(PeerReadyMacMatches(mac, "0123456789abcdef-shared", nonce, 0x1234567890, address,
                                   "boot-id-1", "tcp"));
+}
+
+// A ready of several lanes: the other lanes' addresses follow, each length-prefixed (the
+// same Python, m + le64(len(a1)) + a1 + le64(len(a2)) + a2 with a1 = b"lane-1\x00",
+// a2 = b"lane-2"); the addresses, their order and their number are covered.
+TEST(PeerSecretTest, TheMacCoversEveryLaneAddressInOrder) {
+  std::string nonce;
+  for (int i = 0; i < 16; ++i) nonce.push_back(static_cast<char>(i));
+  const std::string address("\x00\x01worker\xff", 9);
+  const std::vector<std::string> lanes = {std::string("lane-1\0", 7), "lane-2"};
+  const std::string secret = "0123456789abcdef-shared";
+  const std::string mac =
+      PeerReadyMac(secret, nonce, 0x1234567890, address, "boot-id-1", "tcp", lanes);
+  EXPECT_EQ(Hex(mac), "11ce123492b1b9e68a0ea942b814d3b4980a4f709f56c04f9cc60c34c406799f");
+  EXPECT_TRUE(PeerReadyMacMatches(mac, secret, nonce, 0x1234567890, address, "boot-id-1", "tcp",
+                                  lanes));
+  const std::vector<std::string> swapped = {lanes[1], lanes[0]};
+  const std::vector<std::string> fewer = {lanes[0]};
+  const std::vector<std::string> other = {lanes[0], "lane-3"};
+  for (const auto& changed : {swapped, fewer, other, std::vector<std::string>{}}) {
+    EXPECT_FALSE(PeerReadyMacMatches(mac, secret, nonce, 0x1234567890, address, "boot-id-1",
+                                     "tcp", changed));
+  }
 }
 
 // Any field changed, or another secret, and the mac no longer matches; nor does a cut or

@@ -15,6 +15,7 @@ namespace kvferry::server {
 namespace {
 
 constexpr size_t kBlockBytes = size_t{1} << 20;
+constexpr int kLanes = 3;
 
 class UcxRegistrationTest : public ::testing::Test {
  protected:
@@ -23,6 +24,9 @@ class UcxRegistrationTest : public ::testing::Test {
     options.transports = "tcp";
     options.net_devices = "lo";
     options.abandon_grace = absl::Milliseconds(500);
+    // Three lanes each: the single-lane transfers below use lane 0 (and the registrations,
+    // one per block, serve every lane); the lane tests spread messages over all three.
+    options.lanes = kLanes;
     for (auto* w : {&receiver_, &sender_}) {
       absl::StatusOr<std::unique_ptr<UcxWorker>> made = UcxWorker::Create(options);
       ASSERT_TRUE(made.ok()) << made.status();
@@ -310,6 +314,106 @@ TEST_F(UcxRegistrationTest, AnAbandonedTransferLeavesTheOtherTransfersOnItsEndpo
     Buffer next = Block(*sender_backend_, 15);
     Move(next, next.block(), there, there.block(), 0, kBlockBytes);
   }
+}
+
+// A transfer over lanes: message i travels on lane i % lanes of both sides, each lane its own
+// worker and connection. Seven messages over three lanes land whole, each where it was
+// posted, and the blocks are registered once for all lanes.
+TEST_F(UcxRegistrationTest, MessagesSpreadOverLanesLandWholeWhereTheyWerePosted) {
+  ASSERT_EQ(receiver_->lanes(), kLanes);
+  ASSERT_EQ(sender_->addresses().size(), static_cast<size_t>(kLanes));
+  Buffer src = Block(*sender_backend_, 21);
+  Buffer dst = Block(*receiver_backend_, 0);
+  constexpr size_t kMessages = 7;
+  const size_t part = kBlockBytes / 8;
+  const uint64_t tag = UcxTag(++transfer_, 0);
+  std::vector<std::vector<std::span<uint8_t>>> messages;
+  // Message i lands in part 7 - i, so that a message landing as another would show.
+  for (size_t i = 0; i < kMessages; ++i) messages.push_back({{dst.get() + (7 - i) * part, part}});
+  absl::StatusOr<std::unique_ptr<UcxWorker::Receives>> receives = receiver_->PostReceives(
+      tag, std::move(messages), nullptr, false, std::vector<MemoryBlock>(kMessages, dst.block()),
+      kLanes);
+  ASSERT_TRUE(receives.ok()) << receives.status();
+  absl::StatusOr<std::unique_ptr<UcxWorker::Sender>> sender =
+      sender_->Connect(receiver_->addresses());
+  ASSERT_TRUE(sender.ok()) << sender.status();
+  for (size_t i = 0; i < kMessages; ++i) {
+    ASSERT_TRUE((*sender)->Post(tag + i, {src.get() + i * part, part}, false, src.block()).ok());
+  }
+  ASSERT_TRUE((*sender)->WaitThrough(kMessages, absl::Seconds(10), nullptr).ok());
+  ASSERT_TRUE((*receives)->Wait(absl::Seconds(10), nullptr).ok());
+  for (size_t i = 0; i < kMessages; ++i) {
+    EXPECT_EQ(std::memcmp(dst.get() + (7 - i) * part, src.get() + i * part, part), 0)
+        << "message " << i;
+  }
+  EXPECT_EQ(receiver_->registrations().blocks, 1);
+  EXPECT_EQ(sender_->registrations().blocks, 1);
+}
+
+// The lanes are real: a sender connected to the receiver's lane 0 only (one lane) gets
+// through the messages posted on lane 0 (0, 3, 6), never those the receiver expects on lanes
+// 1 and 2; abandoning the receives then releases their memory, on every lane.
+TEST_F(UcxRegistrationTest, AMessageOnlyLandsOnTheLaneItsReceiveWasPostedOn) {
+  Buffer src = Block(*sender_backend_, 22);
+  auto dst = std::make_shared<Buffer>(Block(*receiver_backend_, 0));
+  const std::vector<uint8_t> before(dst->get(), dst->get() + kBlockBytes);
+  const size_t part = kBlockBytes / 8;
+  const uint64_t tag = UcxTag(++transfer_, 0);
+  std::vector<std::vector<std::span<uint8_t>>> messages;
+  for (size_t i = 0; i < 7; ++i) messages.push_back({{dst->get() + i * part, part}});
+  std::weak_ptr<void> memory = dst;
+  absl::StatusOr<std::unique_ptr<UcxWorker::Receives>> receives =
+      receiver_->PostReceives(tag, std::move(messages), dst, false, {}, kLanes);
+  ASSERT_TRUE(receives.ok()) << receives.status();
+  absl::StatusOr<std::unique_ptr<UcxWorker::Sender>> sender =
+      sender_->Connect(receiver_->address());
+  ASSERT_TRUE(sender.ok()) << sender.status();
+  for (const size_t i : {0, 3, 6}) {
+    ASSERT_TRUE((*sender)->Post(tag + i, {src.get() + i * part, part}, false, src.block()).ok());
+  }
+  ASSERT_TRUE((*sender)->WaitThrough(3, absl::Seconds(10), nullptr).ok());
+  std::vector<int64_t> seen;
+  while (seen.size() < 3) {
+    absl::StatusOr<std::vector<int64_t>> arrived =
+        (*receives)->WaitArrived(absl::Seconds(10), nullptr);
+    ASSERT_TRUE(arrived.ok()) << arrived.status();
+    ASSERT_FALSE(arrived->empty());
+    seen.insert(seen.end(), arrived->begin(), arrived->end());
+  }
+  std::sort(seen.begin(), seen.end());
+  EXPECT_EQ(seen, (std::vector<int64_t>{0, 3, 6}));
+  // Messages 1, 2, 4, 5 were sent to lane 0 as well (tags of lanes 1 and 2): none lands.
+  for (const size_t i : {1, 2, 4, 5}) {
+    ASSERT_TRUE((*sender)->Post(tag + i, {src.get() + i * part, part}, false, src.block()).ok());
+  }
+  const absl::Status rest = (*receives)->Wait(absl::Milliseconds(300), nullptr);
+  EXPECT_EQ(rest.code(), absl::StatusCode::kUnavailable) << rest;
+  for (size_t i = 0; i < 7; ++i) {
+    const bool sent_on_its_lane = i % kLanes == 0;
+    EXPECT_EQ(std::memcmp(dst->get() + i * part,
+                          (sent_on_its_lane ? src.get() : before.data()) + i * part, part), 0)
+        << "part " << i;
+  }
+  dst.reset();
+  EXPECT_FALSE(memory.expired());  // the receives still hold it
+  EXPECT_TRUE((*receives)->Abandon(absl::Seconds(5)));
+  EXPECT_TRUE(memory.expired());
+  sender->reset();
+}
+
+// More lanes than the worker has, or none, are refused before anything is posted or
+// connected.
+TEST_F(UcxRegistrationTest, MoreLanesThanTheWorkerHasAreRefused) {
+  Buffer dst = Block(*receiver_backend_, 0);
+  std::vector<std::vector<std::span<uint8_t>>> messages = {{{dst.get(), 4096}}};
+  for (const int lanes : {0, kLanes + 1}) {
+    EXPECT_FALSE(receiver_->PostReceives(UcxTag(++transfer_, 0), messages, nullptr, false, {},
+                                         lanes).ok());
+  }
+  std::vector<std::string> addresses = receiver_->addresses();
+  addresses.push_back(addresses.front());
+  EXPECT_FALSE(sender_->Connect(addresses).ok());
+  EXPECT_FALSE(sender_->Connect(std::vector<std::string>{}).ok());
 }
 
 }  // namespace
