@@ -137,7 +137,13 @@ class PeerCall {
   PeerCall(std::string peer, absl::Duration idle)
       : peer_(std::move(peer)), idle_(idle), deadman_(&context_) {}
   grpc::ClientContext& context() { return context_; }
-  void Open(v1::Peer::Stub& stub) { stream_ = stub.Exchange(&context_); }
+  // Opening waits for the connection (a peer that accepts it and never speaks HTTP/2 holds
+  // it): bounded like every other step.
+  void Open(v1::Peer::Stub& stub) {
+    deadman_.Arm(idle_);
+    stream_ = stub.Exchange(&context_);
+    deadman_.Disarm();
+  }
   absl::Status Write(const v1::PeerMessage& m) {
     deadman_.Arm(idle_);
     const bool ok = stream_->Write(m);
@@ -382,15 +388,10 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> TransferEngine::Channel(const std
   KVF_RETURN_IF_ERROR(credentials_status_);
   auto it = channels_.find(address);
   if (it == channels_.end()) {
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(4 << 20);
-    // The peer's death shows within the idle time even without traffic on the stream.
-    args.SetInt(GRPC_ARG_KEEPALIVE_TIME_MS,
-                static_cast<int>(std::max(1000.0, options_.timeout_seconds * 500)));
-    args.SetInt(GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
-                static_cast<int>(std::max(1000.0, options_.timeout_seconds * 500)));
-    args.SetInt(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
-    it = channels_.emplace(address, grpc::CreateCustomChannel(address, credentials_, args)).first;
+    it = channels_.emplace(address, grpc::CreateCustomChannel(
+                                        address, credentials_,
+                                        PeerChannelArguments(options_.timeout_seconds)))
+             .first;
   }
   return it->second;
 }

@@ -21,6 +21,7 @@
 #include "core/staged_write.h"
 #include "security/authenticator.h"
 #include "transport/ucx_worker.h"
+#include "service/peer_channel.h"
 #include "service/stream_watchdog.h"
 #include "kvferry/v1/transfer.grpc.pb.h"
 

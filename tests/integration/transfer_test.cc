@@ -22,6 +22,7 @@
 #include "metrics_scrape.h"
 #include "kvferry/v1/transfer.grpc.pb.h"
 #include "security/peer_secret.h"
+#include "service/peer_channel.h"
 
 namespace kvferry {
 namespace {
@@ -1282,6 +1283,33 @@ TEST(TransferOffTest, TransportsThatCannotReportADeadPeerAreRefusedWithAReason) 
   // b dropped what it staged for the refused transfer, and both serve on.
   EXPECT_EQ(testing::StagedBytesSettled(b), 0);
   EXPECT_EQ(ReadAll(b, "dst", dst), std::string(PageBytes(Layout::kV41, 16), '\0'));
+}
+
+// A daemon keeps its gRPC channel to a peer between transfers, and a transfer's stream is
+// quiet while its bytes move over UCX. The channel's keepalive pings must stay within what
+// the peer's server accepts (one per 5 s without data; more and the server closes the
+// connection with GOAWAY "too_many_pings", failing the call under way): a peer stream that
+// stays quiet for longer than the server takes strikes is not closed (it was, when a peer
+// timeout of 2 s pinged every second: "keepalive watchdog timeout" or "Too many pings",
+// UNAVAILABLE, about 4 s in); the daemon answers the stream's first message itself.
+TEST(TransferChannelTest, AQuietPeerStreamIsNotClosedForTooManyPings) {
+  Daemon b({"--ucx_transports=tcp", "--peer_timeout_seconds=2",
+            "--stream_idle_timeout_seconds=60"});
+  const std::shared_ptr<grpc::Channel> channel = grpc::CreateCustomChannel(
+      Address(b), grpc::InsecureChannelCredentials(), server::PeerChannelArguments(2));
+  v1::Peer::Stub stub(channel);
+  grpc::ClientContext context;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::PeerMessage, v1::PeerMessage>> stream =
+      stub.Exchange(&context);
+  absl::SleepFor(absl::Seconds(7));
+  v1::PeerMessage out_of_turn;
+  out_of_turn.mutable_done()->set_pages(1);
+  stream->Write(out_of_turn);
+  stream->WritesDone();
+  const grpc::Status status = stream->Finish();
+  EXPECT_EQ(status.error_message().find("pings"), std::string::npos) << status.error_message();
+  EXPECT_NE(status.error_code(), grpc::StatusCode::UNAVAILABLE) << status.error_message();
+  EXPECT_TRUE(b.Alive());
 }
 
 TEST(TransferDevicesTest, PeersOnTheLoopbackDeviceOnlyMoveTheirPages) {
