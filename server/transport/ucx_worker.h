@@ -69,7 +69,7 @@ struct UcxOptions {
   absl::Duration abandon_grace = absl::ZeroDuration();
   // Workers, each with its progress thread, that a transfer's messages spread over (1 to
   // kMaxUcxLanes); 0: one per 8 cores this process may use, 1 to 4 (UcxAutoLanes).
-  int lanes = 0;
+  int lanes = 1;
 };
 
 inline constexpr int kMaxUcxLanes = 16;
