@@ -210,7 +210,10 @@ class TransferTest : public ::testing::TestWithParam<std::string> {
       return {"--ucx_transports=tcp,cuda_copy,cuda_ipc", "--ucx_lanes=1", "--max_write_bytes=17179869184",
               "--max_staged_write_bytes=34359738368", "--tenant_max_staged_write_bytes=17179869184"};
     }
-    if (GetParam() == "lanes") return {"--ucx_transports=tcp", "--ucx_lanes=3"};
+    // One page per message, so that every transfer spreads over the lanes.
+    if (GetParam() == "lanes") {
+      return {"--ucx_transports=tcp", "--ucx_lanes=3", "--peer_message_bytes=1"};
+    }
     return {GetParam() == "cma" ? "--ucx_transports=tcp,cma" : "--ucx_transports=" + GetParam(),
             "--ucx_lanes=1"};
   }
@@ -545,7 +548,8 @@ TEST_P(TransferTest, ADestinationWhoseSenderIsKilledZeroesWhatLandedAndReleasesT
 
 std::string TransportName(const ::testing::TestParamInfo<std::string>& info) { return info.param; }
 
-// "lanes": tcp with every transfer spread over three UCX workers and connections per daemon.
+// "lanes": tcp with every transfer spread over three UCX workers and connections per daemon,
+// one page per message.
 INSTANTIATE_TEST_SUITE_P(Transports, TransferTest, ::testing::Values("tcp", "cma", "lanes"),
                          TransportName);
 INSTANTIATE_TEST_SUITE_P(GpuTransports, TransferTest, ::testing::Values("cuda"), TransportName);
@@ -999,14 +1003,16 @@ TEST(PeerHostileTest, AReadyNotProvenWithTheSecretIsNeverConnectedTo) {
 
 // Daemons sharing the secret move pages both ways, byte for byte (the receiver's mac
 // checked, over the addresses of all its lanes: a has three, b two, so their transfers run
-// on two). A daemon with another secret, or none, cannot prove its ready to one with the
+// on two, a page per message). A daemon with another secret, or none, cannot prove its ready to one with the
 // secret: pushes to it are refused (PEER_NOT_AUTHENTICATED) and nothing lands. A daemon
 // without a secret (and without client authentication) trusts its network: its push to a
 // daemon with the secret lands.
 TEST(PeerSecretTransferTest, OnlyDaemonsSharingTheSecretReceiveFromOneThatHasIt) {
   const SecretFile shared("0123456789abcdef0123456789abcdef"), other("a-secret-that-the-others-do-not-have");
-  Daemon a({"--ucx_transports=tcp", "--ucx_lanes=3", shared.flag()});
-  Daemon b({"--ucx_transports=tcp", "--ucx_lanes=2", shared.flag()});
+  Daemon a({"--ucx_transports=tcp", "--ucx_lanes=3", "--peer_message_bytes=1", shared.flag()});
+  Daemon b({"--ucx_transports=tcp", "--ucx_lanes=2", "--peer_message_bytes=1",
+            "--log_level=debug", shared.flag()},
+           /*capture_log=*/true);
   Daemon c({"--ucx_transports=tcp", other.flag()}), open({"--ucx_transports=tcp"});
   const uint64_t page_bytes = PageBytes(Layout::kV41, 16);
   const std::string zero(2 * page_bytes, '\0');
@@ -1024,6 +1030,7 @@ TEST(PeerSecretTransferTest, OnlyDaemonsSharingTheSecretReceiveFromOneThatHasIt)
   const Outcome pushed = Push(a, "src", src, Address(b), "dst", dst[&b]);
   ASSERT_TRUE(pushed.status.ok()) << pushed.status.error_message() << " " << pushed.reason;
   EXPECT_EQ(ReadAll(b, "dst", dst[&b]), sent);
+  EXPECT_EQ(LogCount(b, "; 2 lane(s))"), 1);  // as many lanes as both have
   testing::CreatePool(a, "back", Layout::kV41, 16, 4);
   const auto back = AllPages(a, "back", 2);
   const Outcome pulled = Pull(a, "back", back, Address(b), "dst", dst[&b]);
