@@ -38,6 +38,12 @@ double Seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+// The UCX lanes an offer's sender has: 0 (a sender that says nothing of lanes) is 1, and
+// no more than any daemon can have.
+int OfferedLanes(const v1::PeerOffer& offer) {
+  return static_cast<int>(std::clamp<uint32_t>(offer.lanes(), 1, kMaxUcxLanes));
+}
+
 absl::Status PeerUnavailable(absl::string_view what) {
   return Error(absl::StatusCode::kUnavailable, ErrorReason::kPeerUnavailable, what);
 }
@@ -359,18 +365,17 @@ absl::Status TransferEngine::CheckTransfers() const {
   return absl::OkStatus();
 }
 
-absl::Status TransferEngine::CheckReady(const v1::PeerOffer& offer,
-                                        const v1::PeerReady& ready) const {
+absl::Status TransferEngine::CheckReady(const v1::PeerOffer& offer, const v1::PeerReady& ready,
+                                        std::span<const std::string> lane_addresses) const {
   if (options_.secret.empty()) return absl::OkStatus();  // a daemon that trusts its network
   if (ready.mac().empty()) {
     return Error(absl::StatusCode::kUnauthenticated, ErrorReason::kPeerNotAuthenticated,
                  "the receiving peer's ready carries no mac (it runs without "
                  "--peer_secret_file): nothing was sent to the address it gave");
   }
-  const std::vector<std::string> lanes(ready.lane_addresses().begin(),
-                                       ready.lane_addresses().end());
   if (!PeerReadyMacMatches(ready.mac(), options_.secret, offer.nonce(), ready.transfer_id(),
-                           ready.worker_address(), ready.host(), ready.transport(), lanes)) {
+                           ready.worker_address(), ready.host(), ready.transport(),
+                           lane_addresses)) {
     return Error(absl::StatusCode::kUnauthenticated, ErrorReason::kPeerNotAuthenticated,
                  "the receiving peer's ready carries a wrong mac (another --peer_secret_file, or "
                  "not a daemon of this deployment): nothing was sent to the address it gave");
@@ -413,7 +418,7 @@ void TransferEngine::Record(const char* op, const std::string& peer, bool sent, 
 }
 
 int TransferEngine::LanesFor(Pool& pool) const {
-  return pool.backend().device() == "cpu" ? ucx_->lanes() : 1;
+  return pool.backend().host_memory() ? ucx_->lanes() : 1;
 }
 
 bool TransferEngine::UcxMovesMemoryOf(Pool& pool, const std::string& peer_host) const {
@@ -505,21 +510,19 @@ absl::StatusOr<std::unique_ptr<TransferEngine::Receiving>> TransferEngine::Recei
   const uint64_t id = absl::Uniform<uint64_t>(random, 1, uint64_t{1} << 40);
   const bool on_device = r->write->device_staging();
   // As many lanes as both sides have (message i on lane i % lanes, on both).
-  const int lanes =
-      std::clamp(static_cast<int>(std::min<uint32_t>(offer.lanes(), kMaxUcxLanes)), 1,
-                 LanesFor(*pool));
+  const int lanes = std::min(OfferedLanes(offer), LanesFor(*pool));
   r->lanes = lanes;
   KVF_ASSIGN_OR_RETURN(r->receives,
                        ucx_->PostReceives(UcxTag(id, 0), std::move(messages), r->write,
                                           on_device, std::move(blocks), lanes));
   ready->set_worker_address(ucx_->address());
-  for (int lane = 1; lane < lanes; ++lane) ready->add_lane_addresses(ucx_->addresses()[lane]);
+  const std::span<const std::string> lane_addresses =
+      std::span(ucx_->addresses()).subspan(1, static_cast<size_t>(lanes - 1));
+  for (const std::string& address : lane_addresses) ready->add_lane_addresses(address);
   ready->set_host(ucx_->host());
   ready->set_transfer_id(id);
   ready->set_transport(ucx_->transports());
   if (!options_.secret.empty()) {
-    const std::vector<std::string> lane_addresses(ready->lane_addresses().begin(),
-                                                  ready->lane_addresses().end());
     ready->set_mac(PeerReadyMac(options_.secret, offer.nonce(), id, ready->worker_address(),
                                 ready->host(), ready->transport(), lane_addresses));
   }
@@ -531,11 +534,11 @@ absl::Status TransferEngine::SendAll(std::unique_ptr<Reader> owned, const v1::Pe
                                      const UcxWorker::CancelCheck& cancelled) {
   // UCX trusts a worker address fully (a forged one crashes the process unpacking it): only
   // an address the ready proves is a daemon's is connected to.
-  KVF_RETURN_IF_ERROR(CheckReady(offer, ready));
   // Lane j of this daemon to the receiver's lane j; never more lanes than were offered.
   std::vector<std::string> addresses = {ready.worker_address()};
   addresses.insert(addresses.end(), ready.lane_addresses().begin(), ready.lane_addresses().end());
-  if (addresses.size() > std::max<size_t>(1, offer.lanes())) {
+  KVF_RETURN_IF_ERROR(CheckReady(offer, ready, std::span(addresses).subspan(1)));
+  if (addresses.size() > static_cast<size_t>(OfferedLanes(offer))) {
     return Error(absl::StatusCode::kInternal, ErrorReason::kInternalError,
                  absl::StrCat("the receiving peer answered with ", addresses.size(),
                               " UCX lanes, more than the ", offer.lanes(),
@@ -553,7 +556,7 @@ absl::Status TransferEngine::SendAll(std::unique_ptr<Reader> owned, const v1::Pe
   // flight (bench/RESULTS.md). --peer_send_depth sets it (--peer_device_send_depth for
   // batches left in device memory).
   // A first batch prefetched for other memory launches again.
-  PrepareSend(reader, on_device, offer.lanes());
+  PrepareSend(reader, on_device, OfferedLanes(offer));
   const int kDepth = reader.depth();
   const uint64_t total = offer.units() * offer.page_bytes();
   uint64_t sent = 0;
@@ -592,11 +595,10 @@ absl::Status TransferEngine::SendAll(std::unique_ptr<Reader> owned, const v1::Pe
   return absl::OkStatus();
 }
 
-void TransferEngine::PrepareSend(Reader& reader, bool on_device, uint32_t offered_lanes) const {
+void TransferEngine::PrepareSend(Reader& reader, bool on_device, int lanes) const {
   // Host batches: depth - 1 messages in flight on each lane (the receiver may answer with
   // fewer lanes than this daemon has: deeper than needed then, never too shallow). Device
   // batches are few and large (device memory): at least one in flight per lane.
-  const int lanes = static_cast<int>(std::clamp<uint32_t>(offered_lanes, 1, kMaxUcxLanes));
   reader.set_depth(on_device ? std::max(options_.device_send_depth, lanes + 1)
                              : std::min(64, 1 + (options_.send_depth - 1) * lanes));
   reader.set_device_output(on_device);
@@ -647,7 +649,7 @@ absl::Status TransferEngine::Push(const TenantAccount& tenant, const v1::PushReq
     // most likely want: as for its host when it last answered (SendAll launches the batch
     // again if the ready says otherwise).
     PrepareSend(*reader, UcxMovesMemoryOf(*pool, LastHostOf(req.to_address())),
-                offer.offer().lanes());
+                OfferedLanes(offer.offer()));
     if (absl::Status s = reader->Prefetch(); !s.ok()) {
       call.Cancel();
       return s;
@@ -863,7 +865,7 @@ absl::Status TransferEngine::Serve(
       // The first batch is gathered while the receiver reserves its pages, into the memory
       // its host (named in the request) gets (SendAll launches it again if the ready says
       // otherwise).
-      PrepareSend(*reader, UcxMovesMemoryOf(*pool, request.host()), offer.offer().lanes());
+      PrepareSend(*reader, UcxMovesMemoryOf(*pool, request.host()), OfferedLanes(offer.offer()));
       KVF_RETURN_IF_ERROR(reader->Prefetch());
       v1::PeerMessage ready;
       if (!stream->Read(&ready) || !ready.has_ready()) {

@@ -12,6 +12,7 @@
 
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 
 #include "absl/container/flat_hash_map.h"
@@ -96,8 +97,10 @@ class TransferEngine {
   // secret where clients authenticate).
   absl::Status CheckTransfers() const;
   // Sender: UNAUTHENTICATED unless `ready` carries the mac of this offer's nonce and its
-  // fields under the peer secret (nothing is checked without a secret).
-  absl::Status CheckReady(const v1::PeerOffer& offer, const v1::PeerReady& ready) const;
+  // fields (its lane addresses: `lane_addresses`) under the peer secret (nothing is checked
+  // without a secret).
+  absl::Status CheckReady(const v1::PeerOffer& offer, const v1::PeerReady& ready,
+                          std::span<const std::string> lane_addresses) const;
   absl::StatusOr<std::shared_ptr<grpc::Channel>> Channel(const std::string& address);
   absl::Status AddToken(grpc::ClientContext& context) const;
   // Receiver: stages the offered pages and posts the receives; fills `ready`.
@@ -122,7 +125,7 @@ class TransferEngine {
                        const UcxWorker::CancelCheck& cancelled);
   // Sender: the reader's depth and output memory for a transfer from `on_device` memory
   // over the lanes it offered.
-  void PrepareSend(Reader& reader, bool on_device, uint32_t offered_lanes) const;
+  void PrepareSend(Reader& reader, bool on_device, int lanes) const;
   // The UCX lanes a transfer of `pool`'s pages may spread over: every lane for a host
   // memory pool; one for a GPU pool (lanes are not yet verified on a GPU machine, and
   // device memory moves through cuda_ipc or RDMA, not one core's socket copies).

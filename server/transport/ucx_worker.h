@@ -22,6 +22,7 @@
 // thread; the public methods are thread-safe and block the caller, never those threads.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <functional>
@@ -76,7 +77,7 @@ inline constexpr int kMaxUcxLanes = 16;
 // The lanes of UcxOptions::lanes = 0 for a process that may use `cores` cores: one lane per
 // 8, at least 1 and at most 4 (each lane's thread copies a connection's bytes on its own
 // core at busy times, beside the daemon's other work).
-inline int UcxAutoLanes(int cores) { return cores / 8 < 1 ? 1 : cores / 8 > 4 ? 4 : cores / 8; }
+inline int UcxAutoLanes(int cores) { return std::clamp(cores / 8, 1, 4); }
 
 class UcxWorker {
  public:
