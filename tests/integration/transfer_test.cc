@@ -899,8 +899,9 @@ struct SecretFile {
 // `address` as its UCX worker, with no mac or one made with `secret` (not the daemons').
 class ForgedReceiver final : public v1::Peer::Service {
  public:
-  ForgedReceiver(std::string address, std::string secret)
-      : address_(std::move(address)), secret_(std::move(secret)) {}
+  // `lanes`: the addresses its ready names for lanes 1, 2, ... (the mac covers them).
+  ForgedReceiver(std::string address, std::string secret, std::vector<std::string> lanes = {})
+      : address_(std::move(address)), secret_(std::move(secret)), lanes_(std::move(lanes)) {}
   grpc::Status Exchange(grpc::ServerContext*,
                         grpc::ServerReaderWriter<v1::PeerMessage, v1::PeerMessage>* stream) override {
     v1::PeerMessage offer;
@@ -914,8 +915,9 @@ class ForgedReceiver final : public v1::Peer::Service {
     r.set_transfer_id(1);
     r.set_host("forged");
     r.set_transport("tcp");
+    for (const std::string& lane : lanes_) r.add_lane_addresses(lane);
     if (!secret_.empty()) {
-      r.set_mac(server::PeerReadyMac(secret_, nonce, 1, address_, "forged", "tcp"));
+      r.set_mac(server::PeerReadyMac(secret_, nonce, 1, address_, "forged", "tcp", lanes_));
     }
     stream->Write(ready);
     for (v1::PeerMessage next; stream->Read(&next);) {
@@ -926,6 +928,7 @@ class ForgedReceiver final : public v1::Peer::Service {
 
  private:
   const std::string address_, secret_;
+  const std::vector<std::string> lanes_;
 };
 
 // Random bytes where a UCX worker address belongs: UCX 1.13 crashes unpacking most such
@@ -1051,6 +1054,59 @@ TEST(PeerSecretTransferTest, OnlyDaemonsSharingTheSecretReceiveFromOneThatHasIt)
   const Outcome trusted = Push(open, "src", open_src, Address(a), "from_open", from_open);
   ASSERT_TRUE(trusted.status.ok()) << trusted.status.error_message() << " " << trusted.reason;
   EXPECT_EQ(ReadAll(a, "from_open", from_open), ReadAll(open, "src", open_src));
+}
+
+// UCX lanes from a peer that does not follow the protocol. A receiver (holding the
+// deployment's secret, so its mac is right) that answers with more lanes than the sender
+// offered is refused before anything is connected: its addresses are junk that would crash
+// the daemon unpacking them. A sender offering more lanes than any daemon has (2^32 - 1) gets
+// a ready for the receiver's own lanes only.
+TEST(PeerHostileTest, LanesBeyondTheOfferOrTheDaemonAreNeverUsed) {
+  const std::string shared = "0123456789abcdef0123456789abcdef";
+  const SecretFile secret(shared);
+  Daemon d({"--ucx_transports=tcp", "--ucx_lanes=2", secret.flag()});
+  testing::CreatePool(d, "src", Layout::kV41, 16, 8);
+  const auto src = AllPages(d, "src", 2);
+  std::mt19937_64 random(9);
+  ForgedReceiver receiver(JunkAddress(random), shared, {JunkAddress(random), JunkAddress(random)});
+  int port = 0;
+  std::unique_ptr<grpc::Server> server = ServeOnLoopback(receiver, &port);
+  ASSERT_NE(port, 0);
+  const Outcome r = Push(d, "src", src, "127.0.0.1:" + std::to_string(port), "dst", src);
+  server->Shutdown();
+  EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INTERNAL) << r.status.error_message();
+  EXPECT_NE(r.status.error_message().find("3 UCX lanes, more than the 2 offered"),
+            std::string::npos)
+      << r.status.error_message();
+  ASSERT_TRUE(d.Alive());
+
+  // The receiving side: an offer of 2^32 - 1 lanes for two pages of d's pool.
+  testing::CreatePool(d, "dst", Layout::kV41, 16, 8);
+  const auto dst = AllPages(d, "dst", 2);
+  auto stub = v1::Peer::NewStub(d.channel());
+  grpc::ClientContext ctx;
+  auto stream = stub->Exchange(&ctx);
+  v1::PeerMessage offer;
+  v1::PeerOffer& o = *offer.mutable_offer();
+  o.set_pool("dst");
+  *o.mutable_page_list() = testing::PackPages(dst);
+  o.add_layers(0);
+  o.set_layout(v1::LAYOUT_V41);
+  o.set_page_bytes(PageBytes(Layout::kV41, 16));
+  o.set_message_bytes(PageBytes(Layout::kV41, 16));
+  o.set_units(2);
+  o.set_lanes(0xFFFFFFFFu);
+  o.set_nonce(std::string(16, 'n'));
+  ASSERT_TRUE(stream->Write(offer));
+  v1::PeerMessage ready;
+  ASSERT_TRUE(stream->Read(&ready));
+  ASSERT_TRUE(ready.has_ready()) << ready.DebugString();
+  EXPECT_EQ(ready.ready().lane_addresses_size(), 1);  // d's second lane: two in all
+  EXPECT_NE(ready.ready().lane_addresses(0), ready.ready().worker_address());
+  ctx.TryCancel();
+  stream->Finish().IgnoreError();
+  ASSERT_TRUE(d.Alive());
+  EXPECT_EQ(ReadUntilZero(d, "dst", dst, 10), std::string(2 * PageBytes(Layout::kV41, 16), '\0'));
 }
 
 // ---- GPU pools in device memory (label gpu) -------------------------------------------------
