@@ -584,6 +584,22 @@ PeerReplies ExchangeWith(Daemon& d, const std::vector<v1::PeerMessage>& messages
 // A caller of the daemons' own Peer service that is not a daemon: malformed offers are
 // refused with a reason, an offer it never sends bytes for ends within the idle time with
 // its staging released, and the daemon serves on with the pages unchanged.
+// An offer, as a sending daemon makes one, of `units` V41 units (layer 0) into `pages` of
+// pool "dst", with pages of `page` bytes in messages of `message` bytes.
+v1::PeerMessage OfferInto(const std::vector<v1::PageHandle>& pages, uint64_t units, uint64_t page,
+                          uint64_t message) {
+  v1::PeerMessage m;
+  v1::PeerOffer& o = *m.mutable_offer();
+  o.set_pool("dst");
+  for (const auto& p : pages) *o.add_pages() = p;
+  o.add_layers(0);
+  o.set_layout(v1::LAYOUT_V41);
+  o.set_page_bytes(page);
+  o.set_message_bytes(message);
+  o.set_units(units);
+  return m;
+}
+
 TEST(PeerHostileTest, MalformedOrAbandonedOffersAreRefusedAndLeaveNothingBehind) {
   Daemon d({"--peer_timeout_seconds=1", "--stream_idle_timeout_seconds=2"});
   testing::CreatePool(d, "dst", Layout::kV41, 16, 8);
@@ -595,16 +611,7 @@ TEST(PeerHostileTest, MalformedOrAbandonedOffersAreRefusedAndLeaveNothingBehind)
     return r.status;
   };
   auto offer = [&](uint64_t units, uint64_t page, uint64_t message) {
-    v1::PeerMessage m;
-    v1::PeerOffer& o = *m.mutable_offer();
-    o.set_pool("dst");
-    for (const auto& p : dst) *o.add_pages() = p;
-    o.add_layers(0);
-    o.set_layout(v1::LAYOUT_V41);
-    o.set_page_bytes(page);
-    o.set_message_bytes(message);
-    o.set_units(units);
-    return m;
+    return OfferInto(dst, units, page, message);
   };
   std::string reason;
   // Nothing at all, a reply where an opening belongs, and offers that do not add up.
@@ -792,15 +799,7 @@ TEST(PeerHostileTest, AWriteOfPagesAnAbandonedOfferHoldsWaitsAndThenLandsAlone) 
   auto stub = v1::Peer::NewStub(d.channel());
   grpc::ClientContext ctx;
   auto stream = stub->Exchange(&ctx);
-  v1::PeerMessage m;
-  v1::PeerOffer& o = *m.mutable_offer();
-  o.set_pool("dst");
-  for (const auto& p : dst) *o.add_pages() = p;
-  o.add_layers(0);
-  o.set_layout(v1::LAYOUT_V41);
-  o.set_page_bytes(page_bytes);
-  o.set_message_bytes(page_bytes);
-  o.set_units(2);
+  const v1::PeerMessage m = OfferInto(dst, 2, page_bytes, page_bytes);
   ASSERT_TRUE(stream->Write(m));
   v1::PeerMessage reply;
   ASSERT_TRUE(stream->Read(&reply));
@@ -931,6 +930,17 @@ class ForgedReceiver final : public v1::Peer::Service {
   const std::vector<std::string> lanes_;
 };
 
+// A push of d's `pages` of pool "src" to `receiver`, served on loopback for the call; its
+// outcome in `r` (call it under ASSERT_NO_FATAL_FAILURE).
+void PushTo(ForgedReceiver& receiver, Daemon& d, const std::vector<v1::PageHandle>& pages,
+            Outcome* r) {
+  int port = 0;
+  std::unique_ptr<grpc::Server> server = ServeOnLoopback(receiver, &port);
+  ASSERT_NE(port, 0);
+  *r = Push(d, "src", pages, "127.0.0.1:" + std::to_string(port), "dst", pages);
+  server->Shutdown();
+}
+
 // Random bytes where a UCX worker address belongs: UCX 1.13 crashes unpacking most such
 // blobs, so a daemon that connected to one would not survive the test.
 std::string JunkAddress(std::mt19937_64& random) {
@@ -960,11 +970,8 @@ TEST(PeerHostileTest, AReadyNotProvenWithTheSecretIsNeverConnectedTo) {
     for (int i = 0; i < 3; ++i) {
       SCOPED_TRACE(other_secret.empty() ? "no mac" : "a mac of another secret");
       ForgedReceiver receiver(JunkAddress(random), other_secret);
-      int port = 0;
-      std::unique_ptr<grpc::Server> server = ServeOnLoopback(receiver, &port);
-      ASSERT_NE(port, 0);
-      const Outcome r = Push(d, "src", src, "127.0.0.1:" + std::to_string(port), "dst", src);
-      server->Shutdown();
+      Outcome r;
+      ASSERT_NO_FATAL_FAILURE(PushTo(receiver, d, src, &r));
       EXPECT_EQ(r.status.error_code(), grpc::StatusCode::UNAUTHENTICATED) << r.status.error_message();
       EXPECT_EQ(r.reason, "PEER_NOT_AUTHENTICATED");
       EXPECT_NE(r.status.error_message().find(other_secret.empty() ? "no mac" : "wrong mac"),
@@ -1069,11 +1076,8 @@ TEST(PeerHostileTest, LanesBeyondTheOfferOrTheDaemonAreNeverUsed) {
   const auto src = AllPages(d, "src", 2);
   std::mt19937_64 random(9);
   ForgedReceiver receiver(JunkAddress(random), shared, {JunkAddress(random), JunkAddress(random)});
-  int port = 0;
-  std::unique_ptr<grpc::Server> server = ServeOnLoopback(receiver, &port);
-  ASSERT_NE(port, 0);
-  const Outcome r = Push(d, "src", src, "127.0.0.1:" + std::to_string(port), "dst", src);
-  server->Shutdown();
+  Outcome r;
+  ASSERT_NO_FATAL_FAILURE(PushTo(receiver, d, src, &r));
   EXPECT_EQ(r.status.error_code(), grpc::StatusCode::INTERNAL) << r.status.error_message();
   EXPECT_NE(r.status.error_message().find("3 UCX lanes, more than the 2 offered"),
             std::string::npos)
@@ -1086,17 +1090,10 @@ TEST(PeerHostileTest, LanesBeyondTheOfferOrTheDaemonAreNeverUsed) {
   auto stub = v1::Peer::NewStub(d.channel());
   grpc::ClientContext ctx;
   auto stream = stub->Exchange(&ctx);
-  v1::PeerMessage offer;
-  v1::PeerOffer& o = *offer.mutable_offer();
-  o.set_pool("dst");
-  *o.mutable_page_list() = testing::PackPages(dst);
-  o.add_layers(0);
-  o.set_layout(v1::LAYOUT_V41);
-  o.set_page_bytes(PageBytes(Layout::kV41, 16));
-  o.set_message_bytes(PageBytes(Layout::kV41, 16));
-  o.set_units(2);
-  o.set_lanes(0xFFFFFFFFu);
-  o.set_nonce(std::string(16, 'n'));
+  v1::PeerMessage offer =
+      OfferInto(dst, 2, PageBytes(Layout::kV41, 16), PageBytes(Layout::kV41, 16));
+  offer.mutable_offer()->set_lanes(0xFFFFFFFFu);
+  offer.mutable_offer()->set_nonce(std::string(16, 'n'));
   ASSERT_TRUE(stream->Write(offer));
   v1::PeerMessage ready;
   ASSERT_TRUE(stream->Read(&ready));
