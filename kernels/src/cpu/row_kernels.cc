@@ -753,7 +753,16 @@ void EncodeRowsPrefetching(const PoolGeometry& geometry, const uint16_t* rows,
     }
     if (i + kPrefetchRows < count) {
       const RecordOffsets ahead = locate(locs[i + kPrefetchRows]);
-      PrefetchRecord(pool + ahead.data, data_bytes, pool + ahead.scale, /*for_write=*/true);
+      if (stream) {
+        // Streamed data lines are written whole without being read: requesting them would
+        // read each from DRAM for nothing. Only the partial lines at either end of the data
+        // row (ordinary stores) and the scale row's line are wanted in the cache.
+        __builtin_prefetch(pool + ahead.data, 1);
+        __builtin_prefetch(pool + ahead.data + data_bytes - 1, 1);
+        __builtin_prefetch(pool + ahead.scale, 1);
+      } else {
+        PrefetchRecord(pool + ahead.data, data_bytes, pool + ahead.scale, /*for_write=*/true);
+      }
     }
     const RecordOffsets at = locate(locs[i]);
     const uint8_t* scale = scales + i * scale_bytes;
