@@ -92,10 +92,10 @@ ABSL_FLAG(std::string, ucx_transports, "",
 ABSL_FLAG(std::string, ucx_net_devices, "",
           "UCX_NET_DEVICES: network devices peers reach this daemon on (eth0, mlx5_0:1, ...); "
           "empty: every device UCX finds");
-ABSL_FLAG(int32_t, ucx_lanes, 1,
-          "UCX workers, each with its progress thread, that one Push/Pull of a host memory pool "
-          "spreads its messages over (each its own connection to the peer; 1 to 16); 0: one per "
-          "8 cores kvferryd may use, 1 to 4");
+ABSL_FLAG(int32_t, ucx_lanes, 0,
+          "UCX workers, each with its progress thread, that one Push/Pull spreads its messages "
+          "over where its bytes go through host memory (each its own connection to the peer; 1 "
+          "to 16); 0: one per 8 cores kvferryd may use, 1 to 4");
 ABSL_FLAG(bool, ucx_device_memory, true,
           "Where the UCX library moves CUDA memory to a peer without the host (cuda_ipc on one "
           "host, GPUDirect RDMA), send and receive the default GPU's pages in device memory; "

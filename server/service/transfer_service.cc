@@ -418,7 +418,13 @@ void TransferEngine::Record(const char* op, const std::string& peer, bool sent, 
 }
 
 int TransferEngine::LanesFor(Pool& pool) const {
-  return pool.backend().host_memory() ? ucx_->lanes() : 1;
+  // Bytes UCX moves in device memory (cuda_ipc, GPUDirect RDMA) are copied by the GPU, not
+  // by a thread per connection: one lane. Host memory and host staging take every lane.
+  return UcxMayMoveMemoryOf(pool) ? 1 : ucx_->lanes();
+}
+
+bool TransferEngine::UcxMayMoveMemoryOf(Pool& pool) const {
+  return ucx_->DeviceMemoryToAnyPeer() && pool.backend().device() == ucx_->device_memory();
 }
 
 bool TransferEngine::UcxMovesMemoryOf(Pool& pool, const std::string& peer_host) const {
@@ -433,8 +439,7 @@ absl::StatusOr<std::unique_ptr<Reader>> TransferEngine::Offer(
   KVF_ASSIGN_OR_RETURN(const std::optional<Layout> transcode, TranscodeFromProto(transcode_to));
   const std::vector<int64_t> layers = Layers(layer_list, *pool);
   const int64_t page_bytes = OutputPageBytes(*pool, transcode);
-  const bool device = ucx_->DeviceMemoryToAnyPeer() &&
-                      pool->backend().device() == ucx_->device_memory();
+  const bool device = UcxMayMoveMemoryOf(*pool);
   const int64_t message_bytes = device ? options_.device_message_bytes : options_.message_bytes;
   const int64_t per_message =
       std::max<int64_t>(1, std::min(message_bytes, kMaxMessageBytes) / page_bytes);
@@ -510,7 +515,7 @@ absl::StatusOr<std::unique_ptr<TransferEngine::Receiving>> TransferEngine::Recei
   const uint64_t id = absl::Uniform<uint64_t>(random, 1, uint64_t{1} << 40);
   const bool on_device = r->write->device_staging();
   // As many lanes as both sides have (message i on lane i % lanes, on both).
-  const int lanes = std::min(OfferedLanes(offer), LanesFor(*pool));
+  const int lanes = on_device ? 1 : std::min(OfferedLanes(offer), LanesFor(*pool));
   r->lanes = lanes;
   KVF_ASSIGN_OR_RETURN(r->receives,
                        ucx_->PostReceives(UcxTag(id, 0), std::move(messages), r->write,

@@ -126,10 +126,14 @@ class TransferEngine {
   // Sender: the reader's depth and output memory for a transfer from `on_device` memory
   // over the lanes it offered.
   void PrepareSend(Reader& reader, bool on_device, int lanes) const;
-  // The UCX lanes a transfer of `pool`'s pages may spread over: every lane for a host
-  // memory pool; one for a GPU pool (lanes are not yet verified on a GPU machine, and
-  // device memory moves through cuda_ipc or RDMA, not one core's socket copies).
+  // The UCX lanes a transfer of `pool`'s pages may spread over: every lane where its bytes
+  // go through host memory (a host memory pool, a GPU pool's host staging); one where UCX
+  // may move the pool's device memory (cuda_ipc or RDMA: the GPU copies, not one core's
+  // socket copies per connection).
   int LanesFor(Pool& pool) const;
+  // Whether UCX moves device memory of `pool`'s GPU to some peer (the offer's message size
+  // and lanes are chosen for that path).
+  bool UcxMayMoveMemoryOf(Pool& pool) const;
   // Sender: the host of the peer at `address` as its last ready said (empty: none yet).
   std::string LastHostOf(const std::string& address);
   absl::Duration idle() const { return absl::Seconds(options_.timeout_seconds); }

@@ -201,13 +201,19 @@ bool WriteCommitsAtOnce(Daemon& d, const std::string& pool, const v1::PageHandle
 class TransferTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
-    if (GetParam() == "cuda" && testing::TestDevice().rfind("cuda:", 0) != 0) {
+    if (GetParam().rfind("cuda", 0) == 0 && testing::TestDevice().rfind("cuda:", 0) != 0) {
       GTEST_SKIP() << "needs KVFERRY_TEST_DEVICE=cuda:N";
     }
   }
   std::vector<std::string> Flags() const {
     if (GetParam() == "cuda") {
       return {"--ucx_transports=tcp,cuda_copy,cuda_ipc", "--ucx_lanes=1", "--max_write_bytes=17179869184",
+              "--max_staged_write_bytes=34359738368", "--tenant_max_staged_write_bytes=17179869184"};
+    }
+    // GPU pools through pinned host staging (no CUDA transport asked for, whatever UCX
+    // offers), their messages over three lanes.
+    if (GetParam() == "cuda_lanes") {
+      return {"--ucx_transports=tcp", "--ucx_lanes=3", "--max_write_bytes=17179869184",
               "--max_staged_write_bytes=34359738368", "--tenant_max_staged_write_bytes=17179869184"};
     }
     // One page per message, so that every transfer spreads over the lanes.
@@ -217,7 +223,9 @@ class TransferTest : public ::testing::TestWithParam<std::string> {
     return {GetParam() == "cma" ? "--ucx_transports=tcp,cma" : "--ucx_transports=" + GetParam(),
             "--ucx_lanes=1"};
   }
-  int Scale() const { return GetParam() == "cuda" ? 20 : 1; }
+  int Scale() const { return GetParam().rfind("cuda", 0) == 0 ? 20 : 1; }
+  // The lanes a transfer between two daemons of Flags() runs on.
+  int Lanes() const { return GetParam() == "lanes" || GetParam() == "cuda_lanes" ? 3 : 1; }
 };
 
 TEST_P(TransferTest, GoldenPoolsArePushedAndPulledByteForByteAndTranscoded) {
@@ -315,7 +323,7 @@ TEST_P(TransferTest, FreshPagesAreReceivedInPlaceAndPagesWithRecordsAreStaged) {
   EXPECT_EQ(count("push received:"), 1);
   EXPECT_EQ(count(" in place,"), 1);
   // Over as many lanes as both daemons have.
-  EXPECT_EQ(count(GetParam() == "lanes" ? "; 3 lane(s))" : "; 1 lane(s))"), 1);
+  EXPECT_EQ(count("; " + std::to_string(Lanes()) + " lane(s))"), 1);
   // Layer 0 of the destination holds records now: the next push into it is staged.
   ASSERT_TRUE(testing::WriteTokens(a, "src", 0, where, testing::RandomRows(where.size(), 2)).ok());
   Outcome second = Push(a, "src", src, Address(b), "dst", dst, v1::LAYOUT_UNSPECIFIED, {0});
@@ -340,6 +348,30 @@ TEST_P(TransferTest, FreshPagesAreReceivedInPlaceAndPagesWithRecordsAreStaged) {
   ASSERT_TRUE(testing::DeletePool(b, "dst").ok());
   EXPECT_EQ(testing::Sample(testing::Metrics(b), "kvferry_ucx_registered_bytes"),
             registered - pool_bytes);
+}
+
+// A page per message: a push of 16 messages into the test device's pools (GPU pools on a GPU
+// run) lands whole, spread over as many lanes as both daemons have; with "cuda_lanes" each
+// message goes through pinned host staging and on to the device as it arrives.
+TEST_P(TransferTest, MessagesSpreadOverTheLanesLandWhole) {
+  std::vector<std::string> flags = Flags();
+  flags.push_back("--peer_message_bytes=1");
+  std::vector<std::string> debug = flags;
+  debug.push_back("--log_level=debug");
+  Daemon a(flags), b(debug, /*capture_log=*/true);
+  const PoolPair pools = CreatePools(a, b, 16, 8, 2, 8);
+  const std::vector<v1::TokenLocation> where = EveryStep(pools.src, 16, 1);
+  for (int layer = 0; layer < 2; ++layer) {
+    ASSERT_TRUE(testing::WriteTokens(a, "src", layer, where,
+                                     testing::RandomRows(where.size(), 40 + layer)).ok());
+  }
+  Outcome pushed = Push(a, "src", pools.src, Address(b), "dst", pools.dst);
+  ASSERT_TRUE(pushed.status.ok()) << pushed.status.error_message();
+  EXPECT_EQ(ReadAll(b, "dst", pools.dst), ReadAll(a, "src", pools.src));
+  EXPECT_EQ(LogCount(b, "; " + std::to_string(Lanes()) + " lane(s))"), 1);
+  if (GetParam() == "cuda_lanes") {
+    EXPECT_EQ(LogCount(b, "through host staging, copied to the device as it arrived"), 1);
+  }
 }
 
 // The page lists may come packed (PageList, as the clients send them): the same pages
@@ -552,7 +584,9 @@ std::string TransportName(const ::testing::TestParamInfo<std::string>& info) { r
 // one page per message.
 INSTANTIATE_TEST_SUITE_P(Transports, TransferTest, ::testing::Values("tcp", "cma", "lanes"),
                          TransportName);
-INSTANTIATE_TEST_SUITE_P(GpuTransports, TransferTest, ::testing::Values("cuda"), TransportName);
+// "cuda_lanes" (label gpu): GPU pools through host staging over three lanes.
+INSTANTIATE_TEST_SUITE_P(GpuTransports, TransferTest, ::testing::Values("cuda", "cuda_lanes"),
+                         TransportName);
 
 // ---- without UCX, and through the command line -----------------------------------------------
 
