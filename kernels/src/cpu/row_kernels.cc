@@ -231,13 +231,14 @@ HWY_INLINE bool CodeE4m3Tiles(const uint16_t* row, uint8_t* data, const uint8_t*
       if constexpr (kExact) {
         code = FixE4m3Subnormals(du, a, exponents[t], bias, code);
       } else {
-        nearest = hn::Min(nearest, OutsideSubnormalRange<DU>(a, bias));
+        // OutsideSubnormalRange's difference, shifted once for all lanes at the end.
+        nearest = hn::Min(nearest, hn::Sub(a, bias.subnormal));
       }
-      code = hn::Or(code, hn::And(hn::ShiftRight<8>(bits), sign));
+      code = hn::OrAnd(code, hn::ShiftRight<8>(bits), sign);  // one ternary op on AVX-512
       hn::StoreU(hn::DemoteTo(d8, hn::BitCast(d, code)), d8, data + i);
     }
   }
-  return hn::GetLane(hn::MinOfLanes(du, nearest)) != 0;
+  return (hn::GetLane(hn::MinOfLanes(du, nearest)) >> 9) != 0;
 }
 
 // numerics::V4ScaleExponent and V41ScaleExponent of a tile whose amax has the bf16 magnitude
@@ -600,7 +601,7 @@ HWY_INLINE void DecodeE4m3Tiles(const uint8_t* data, const uint8_t* scale, uint1
   const int n = static_cast<int>(hn::Lanes(d));
   const auto table = hn::LoadDup128(dbytes, kSubnormalBf16);
   const V low7 = hn::Set(d, 0x7F), low3 = hn::Set(d, 0x7), eight = hn::Set(d, 8);
-  const V zero = hn::Zero(d), sign = hn::Set(d, 0x80);
+  const V zero = hn::Zero(d), sign = hn::Set(d, static_cast<int16_t>(0x8000));  // code bit 7, << 8
   // Byte indices 2m, 2m + 1 of entry m.
   const V index_step = hn::Set(d, 0x0202), index_base = hn::Set(d, 0x0100);
   int16_t* out = reinterpret_cast<int16_t*>(row);
@@ -619,7 +620,7 @@ HWY_INLINE void DecodeE4m3Tiles(const uint8_t* data, const uint8_t* scale, uint1
             subnormal_bias);
         value = hn::IfThenElse(m < eight, hn::IfThenZeroElse(m == zero, subnormal), value);
       }
-      value = hn::Or(value, hn::ShiftLeft<8>(hn::And(code, sign)));
+      value = hn::OrAnd(value, hn::ShiftLeft<8>(code), sign);
       hn::StoreU(value, d, out + i);
     }
   }
