@@ -417,16 +417,6 @@ void TransferEngine::Record(const char* op, const std::string& peer, bool sent, 
   if (observer_) observer_(PeerTransferRecord{op, peer, sent, bytes, seconds, status});
 }
 
-int TransferEngine::LanesFor(Pool& pool) const {
-  // Bytes UCX moves in device memory (cuda_ipc, GPUDirect RDMA) are copied by the GPU, not
-  // by a thread per connection: one lane. Host memory and host staging take every lane.
-  return UcxMayMoveMemoryOf(pool) ? 1 : ucx_->lanes();
-}
-
-bool TransferEngine::UcxMayMoveMemoryOf(Pool& pool) const {
-  return ucx_->DeviceMemoryToAnyPeer() && pool.backend().device() == ucx_->device_memory();
-}
-
 bool TransferEngine::UcxMovesMemoryOf(Pool& pool, const std::string& peer_host) const {
   return ucx_ != nullptr && pool.backend().device() == ucx_->device_memory() &&
          ucx_->DeviceMemoryTo(!peer_host.empty() && peer_host == ucx_->host());
@@ -435,11 +425,11 @@ bool TransferEngine::UcxMovesMemoryOf(Pool& pool, const std::string& peer_host) 
 absl::StatusOr<std::unique_ptr<Reader>> TransferEngine::Offer(
     const std::shared_ptr<Pool>& pool, std::span<const PageHandle> pages,
     const google::protobuf::RepeatedField<uint32_t>& layer_list, v1::Layout transcode_to,
-    v1::PeerOffer* offer) {
+    const std::string& peer_host, v1::PeerOffer* offer) {
   KVF_ASSIGN_OR_RETURN(const std::optional<Layout> transcode, TranscodeFromProto(transcode_to));
   const std::vector<int64_t> layers = Layers(layer_list, *pool);
   const int64_t page_bytes = OutputPageBytes(*pool, transcode);
-  const bool device = UcxMayMoveMemoryOf(*pool);
+  const bool device = UcxMovesMemoryOf(*pool, peer_host);
   const int64_t message_bytes = device ? options_.device_message_bytes : options_.message_bytes;
   const int64_t per_message =
       std::max<int64_t>(1, std::min(message_bytes, kMaxMessageBytes) / page_bytes);
@@ -451,7 +441,9 @@ absl::StatusOr<std::unique_ptr<Reader>> TransferEngine::Offer(
   offer->set_message_bytes(static_cast<uint64_t>(per_message * page_bytes));
   offer->set_units(pages.size() * layers.size());
   offer->set_host(ucx_->host());
-  offer->set_lanes(static_cast<uint32_t>(LanesFor(*pool)));
+  // Bytes UCX moves in device memory (cuda_ipc, GPUDirect RDMA) are copied by the GPU, not
+  // by a thread per connection: one lane. Host memory and host staging take every lane.
+  offer->set_lanes(static_cast<uint32_t>(device ? 1 : ucx_->lanes()));
   KVF_ASSIGN_OR_RETURN(std::string nonce, PeerNonce());
   offer->set_nonce(std::move(nonce));
   return reader;
@@ -515,7 +507,7 @@ absl::StatusOr<std::unique_ptr<TransferEngine::Receiving>> TransferEngine::Recei
   const uint64_t id = absl::Uniform<uint64_t>(random, 1, uint64_t{1} << 40);
   const bool on_device = r->write->device_staging();
   // As many lanes as both sides have (message i on lane i % lanes, on both).
-  const int lanes = on_device ? 1 : std::min(OfferedLanes(offer), LanesFor(*pool));
+  const int lanes = on_device ? 1 : std::min(OfferedLanes(offer), ucx_->lanes());
   r->lanes = lanes;
   KVF_ASSIGN_OR_RETURN(r->receives,
                        ucx_->PostReceives(UcxTag(id, 0), std::move(messages), r->write,
@@ -633,9 +625,12 @@ absl::Status TransferEngine::Push(const TenantAccount& tenant, const v1::PushReq
                  absl::StrCat(pages.size(), " source pages but ", to_pages.size(),
                               " destination pages; name one destination page per source page"));
   }
+  // The peer's host as its last ready said (none yet: another host, until it answers).
+  const std::string peer_host = LastHostOf(req.to_address());
   v1::PeerMessage offer;
   KVF_ASSIGN_OR_RETURN(std::unique_ptr<Reader> reader,
-                       Offer(pool, pages, req.layers(), req.transcode_to(), offer.mutable_offer()));
+                       Offer(pool, pages, req.layers(), req.transcode_to(), peer_host,
+                             offer.mutable_offer()));
   const Clock::time_point offered = Clock::now();
   bool from_device = false;
   Clock::time_point got_ready = offered, sent_all = offered;
@@ -653,8 +648,7 @@ absl::Status TransferEngine::Push(const TenantAccount& tenant, const v1::PushReq
     // The first batch is gathered while the peer reserves its pages, into the memory it will
     // most likely want: as for its host when it last answered (SendAll launches the batch
     // again if the ready says otherwise).
-    PrepareSend(*reader, UcxMovesMemoryOf(*pool, LastHostOf(req.to_address())),
-                OfferedLanes(offer.offer()));
+    PrepareSend(*reader, UcxMovesMemoryOf(*pool, peer_host), OfferedLanes(offer.offer()));
     if (absl::Status s = reader->Prefetch(); !s.ok()) {
       call.Cancel();
       return s;
@@ -865,7 +859,7 @@ absl::Status TransferEngine::Serve(
       v1::PeerMessage offer;
       KVF_ASSIGN_OR_RETURN(std::unique_ptr<Reader> reader,
                            Offer(pool, pages, request.layers(), request.transcode_to(),
-                                 offer.mutable_offer()));
+                                 request.host(), offer.mutable_offer()));
       if (!stream->Write(offer)) return PeerUnavailable("the receiving peer left");
       // The first batch is gathered while the receiver reserves its pages, into the memory
       // its host (named in the request) gets (SendAll launches it again if the ready says

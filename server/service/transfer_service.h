@@ -113,11 +113,16 @@ class TransferEngine {
   // UcxWorker::DeviceMemoryTo): its bytes are then sent from and received into device
   // memory, with no copy through the host.
   bool UcxMovesMemoryOf(Pool& pool, const std::string& peer_host) const;
-  // Sender: a reader of the pages and the offer that describes its bytes.
+  // Sender: a reader of the pages and the offer that describes its bytes, for a receiver
+  // on `peer_host` (as best known; empty: another host). Where UCX moves the pool's device
+  // memory to that host, the offer asks for device-sized messages on one lane; otherwise
+  // (host memory, host staging) for host-sized messages on every lane this daemon has.
   absl::StatusOr<std::unique_ptr<Reader>> Offer(const std::shared_ptr<Pool>& pool,
                                                 std::span<const PageHandle> pages,
                                                 const google::protobuf::RepeatedField<uint32_t>& layers,
-                                                v1::Layout transcode_to, v1::PeerOffer* offer);
+                                                v1::Layout transcode_to,
+                                                const std::string& peer_host,
+                                                v1::PeerOffer* offer);
   // Sender: every batch of `reader` as one message to the receiver named by `ready`, from
   // device memory when `on_device`.
   absl::Status SendAll(std::unique_ptr<Reader> reader, const v1::PeerOffer& offer,
@@ -126,14 +131,6 @@ class TransferEngine {
   // Sender: the reader's depth and output memory for a transfer from `on_device` memory
   // over the lanes it offered.
   void PrepareSend(Reader& reader, bool on_device, int lanes) const;
-  // The UCX lanes a transfer of `pool`'s pages may spread over: every lane where its bytes
-  // go through host memory (a host memory pool, a GPU pool's host staging); one where UCX
-  // may move the pool's device memory (cuda_ipc or RDMA: the GPU copies, not one core's
-  // socket copies per connection).
-  int LanesFor(Pool& pool) const;
-  // Whether UCX moves device memory of `pool`'s GPU to some peer (the offer's message size
-  // and lanes are chosen for that path).
-  bool UcxMayMoveMemoryOf(Pool& pool) const;
   // Sender: the host of the peer at `address` as its last ready said (empty: none yet).
   std::string LastHostOf(const std::string& address);
   absl::Duration idle() const { return absl::Seconds(options_.timeout_seconds); }
