@@ -8,9 +8,12 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -121,6 +124,30 @@ inline int64_t ProcStatus(pid_t pid, const std::string& field) {
     if (line.rfind(field + ":", 0) == 0) return std::stoll(line.substr(field.size() + 1));
   }
   return -1;
+}
+
+// The threads of `pid` by name (/proc/<pid>/task/*/comm, which Linux cuts at 15 characters).
+inline std::map<std::string, int> ThreadCounts(pid_t pid) {
+  std::map<std::string, int> by_name;
+  std::error_code ec;
+  for (const auto& task :
+       std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/task", ec)) {
+    std::ifstream in(task.path() / "comm");
+    std::string name;
+    if (std::getline(in, name)) ++by_name[name];
+  }
+  return by_name;
+}
+// The same as "name x count" pairs, most frequent first: what a failed thread count shows.
+inline std::string ThreadNames(const std::map<std::string, int>& by_name) {
+  std::vector<std::pair<int, std::string>> sorted;
+  for (const auto& [name, n] : by_name) sorted.emplace_back(-n, name);
+  std::sort(sorted.begin(), sorted.end());
+  std::string out;
+  for (const auto& [n, name] : sorted) {
+    out += (out.empty() ? "" : ", ") + name + " x" + std::to_string(-n);
+  }
+  return out;
 }
 
 // Reads a stream of PageChunk into one byte string, checking each chunk's offset and XXH64.
