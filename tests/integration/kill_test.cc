@@ -173,7 +173,8 @@ TEST(KillTest, ClientsKilledAtRandomPointsOfAWriteLeaveWholeWritesAndNoLeaks) {
     }
     return own_and_pools;
   };
-  const auto [own_before, pools_before] = split(threads_before);
+  const std::pair<int, int> before = split(threads_before);
+  const int own_before = before.first, pools_before = before.second;
   std::map<std::string, int> threads_after = testing::ThreadCounts(d.pid());
   auto settled = [&] {
     const auto [own, pools] = split(threads_after);
