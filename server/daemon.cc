@@ -15,6 +15,7 @@
 #include "absl/synchronization/mutex.h"
 #include "backend/backend.h"
 #include "common/log.h"
+#include "kvferry/thread_name.h"
 #include "security/peer_secret.h"
 #include "service/metrics_interceptor.h"
 
@@ -38,7 +39,11 @@ class WithoutReflection final : public grpc::ServerBuilderOption {
 // reads, say) glibc otherwise keeps the peak (bench/RESULTS.md, issue 17).
 class MemoryTrimmer {
  public:
-  explicit MemoryTrimmer(absl::Duration period) : thread_([this, period] { Run(period); }) {}
+  explicit MemoryTrimmer(absl::Duration period)
+      : thread_([this, period] {
+          NameThisThread("kvf-trim");
+          Run(period);
+        }) {}
   ~MemoryTrimmer() {
     {
       kvferry::MutexLock lock(&mu_);

@@ -8,6 +8,7 @@
 #include "common/errors.h"
 #include "common/log.h"
 #include "kvferry/kernels/status_macros.h"
+#include "kvferry/thread_name.h"
 
 namespace kvferry::server {
 namespace {
@@ -27,7 +28,10 @@ PoolManager::PoolManager(PoolManagerOptions options) : options_(std::move(option
   kvferry::MutexLock lock(&mu_);
   next_incarnation_ = 1 + random() % (kMaxIncarnation - 1);
   if (options_.lease_check_period > absl::ZeroDuration()) {
-    lease_thread_ = std::thread([this] { ExpireLeases(); });
+    lease_thread_ = std::thread([this] {
+      NameThisThread("kvf-leases");
+      ExpireLeases();
+    });
   }
 }
 

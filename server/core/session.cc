@@ -19,6 +19,7 @@
 #include "common/log.h"
 #include "common/worker_process.h"
 #include "kvferry/kernels/status_macros.h"
+#include "kvferry/thread_name.h"
 
 namespace kvferry::server {
 
@@ -144,7 +145,10 @@ struct SessionManager::Session {
 
 SessionManager::SessionManager(PoolManager* pools, TransferObserver* observer)
     : pools_(pools), observer_(observer) {
-  for (int i = 0; i < kCompletionThreads; ++i) completers_.emplace_back([this] { CompletionLoop(); });
+  for (int i = 0; i < kCompletionThreads; ++i) completers_.emplace_back([this] {
+      NameThisThread("kvf-completions");
+      CompletionLoop();
+    });
 }
 
 SessionManager::~SessionManager() {

@@ -8,6 +8,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "kvferry/thread_name.h"
 
 namespace kvferry::server {
 namespace {
@@ -346,7 +347,10 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
     server->port_ = port;
   }
   httplib::Server* http = server->http_.get();
-  server->thread_ = std::thread([http] { http->listen_after_bind(); });
+  server->thread_ = std::thread([http] {
+    NameThisThread("kvf-http");  // and cpp-httplib's pool, which this thread starts
+    http->listen_after_bind();
+  });
   return server;
 }
 

@@ -9,6 +9,7 @@
 #include "absl/time/time.h"
 #include "common/errors.h"
 #include "common/log.h"
+#include "kvferry/thread_name.h"
 #include "security/token_file.h"
 
 namespace kvferry::server {
@@ -27,7 +28,10 @@ absl::StatusOr<std::unique_ptr<TokenAuthenticator>> TokenAuthenticator::Start(
     TokenAuthOptions options, TenantRegistry* tenants) {
   std::unique_ptr<TokenAuthenticator> auth(new TokenAuthenticator(std::move(options), tenants));
   if (absl::Status s = auth->Reload(); !s.ok()) return s;
-  auth->watcher_ = std::thread([raw = auth.get()] { raw->Watch(); });
+  auth->watcher_ = std::thread([raw = auth.get()] {
+    NameThisThread("kvf-token-files");
+    raw->Watch();
+  });
   return auth;
 }
 

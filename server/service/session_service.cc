@@ -10,6 +10,7 @@
 #include "common/log.h"
 #include "core/cache_session.h"
 #include "kvferry/kernels/status_macros.h"
+#include "kvferry/thread_name.h"
 #include "service/convert.h"
 #include "service/status.h"
 #include "service/streams.h"
@@ -121,6 +122,7 @@ void SessionService::Serve(const SessionManager::Opened& opened, const v1::Sessi
   stream->Write(event);
   // Revocations go out on a writer thread; this thread reads until the worker goes away.
   std::thread writer([&] {
+    NameThisThread("kvf-revocations");
     while (std::optional<Revocation> revoked = sessions_->NextRevocation(id)) {
       v1::SessionEvent e;
       e.mutable_revoked()->set_export_id(revoked->export_id);

@@ -5,13 +5,17 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/log.h"
+#include "kvferry/thread_name.h"
 
 namespace kvferry::server {
 
 StreamWatchdog::StreamWatchdog(StreamLimits limits, std::function<void(ErrorReason)> on_expired)
     : limits_(limits), on_expired_(std::move(on_expired)) {
   if (limits_.idle_timeout > absl::ZeroDuration() || limits_.max_duration > absl::ZeroDuration()) {
-    thread_ = std::thread([this] { Run(); });
+    thread_ = std::thread([this] {
+      NameThisThread("kvf-watchdog");
+      Run();
+    });
   }
 }
 

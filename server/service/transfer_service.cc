@@ -22,6 +22,7 @@
 #include "common/files.h"
 #include "common/log.h"
 #include "kvferry/kernels/status_macros.h"
+#include "kvferry/thread_name.h"
 #include "security/peer_secret.h"
 #include "service/convert.h"
 #include "service/status.h"
@@ -93,7 +94,12 @@ class Deadman {
     void Add(Deadman* d) {
       std::lock_guard lock(mu_);
       armed_.insert(d);
-      if (!thread_.joinable()) thread_ = std::thread([this] { Run(); });
+      if (!thread_.joinable()) {
+        thread_ = std::thread([this] {
+          NameThisThread("kvf-deadlines");
+          Run();
+        });
+      }
       cv_.notify_all();
     }
     // Once it returns, the thread no longer looks at `d`.
@@ -202,6 +208,7 @@ class PeerCall {
   // after the idle time. Nothing else reads the stream meanwhile.
   void WatchForEnd() {
     watcher_ = std::thread([this] {
+      NameThisThread("kvf-peer-end");
       v1::PeerMessage ignored;
       while (stream_->Read(&ignored)) {
       }

@@ -24,9 +24,10 @@
 #include "absl/strings/str_cat.h"
 #include "common/errors.h"
 #include "common/log.h"
-#include "kvferry/mutex.h"
 #include "kvferry/kernels/cpu_thread_pool.h"
 #include "kvferry/kernels/status_macros.h"
+#include "kvferry/mutex.h"
+#include "kvferry/thread_name.h"
 
 namespace kvferry::server {
 namespace {
@@ -597,7 +598,9 @@ absl::StatusOr<std::unique_ptr<UcxWorker>> UcxWorker::Create(const UcxOptions& o
   w->host_ = HostId();
   w->registry_ = std::make_shared<Registry>(context);
   for (const std::shared_ptr<State>& lane : w->lanes_) {
-    w->threads_.emplace_back([state = lane.get(), bind = options.bind_device] {
+    w->threads_.emplace_back([state = lane.get(), bind = options.bind_device,
+                              name = "kvf-ucx-" + std::to_string(w->threads_.size())] {
+      NameThisThread(name);
       if (bind) bind();
       Loop(*state);
     });

@@ -468,6 +468,26 @@ TEST(DaemonConcurrencyTest, SixteenClientsWriteAndReadDisjointPages) {
   EXPECT_EQ(testing::GetStats(d).tokens_held(), 16u * 200u);
 }
 
+// ---- threads -------------------------------------------------------------------------------
+
+TEST(DaemonThreadsTest, EveryThreadButTheMainOneIsNamed) {
+  // An operator's `top -H` or `ps -L` tells kvferry's threads ("kvf-...") from gRPC's and
+  // UCX's: after a write and a read, none but the main thread carries the process's name, and
+  // the metrics server's threads (cpp-httplib's pool with them) are kvferry's.
+  Daemon d;
+  testing::CreatePool(d, "named", Layout::kV4, 64, 4);
+  const auto pages = testing::Allocate(d, "named", 1);
+  ASSERT_EQ(pages.size(), 1u);
+  const std::vector<v1::TokenLocation> where = {Location(pages[0], 0), Location(pages[0], 1)};
+  ASSERT_TRUE(testing::WriteTokens(d, "named", 0, where, testing::RandomRows(2, 5), 2).ok());
+  std::vector<uint16_t> back;
+  ASSERT_TRUE(testing::ReadWorkspace(d, "named", 0, where, &back).ok());
+  ASSERT_NE(testing::Metrics(d).find("kvferry_"), std::string::npos);
+  std::map<std::string, int> threads = testing::ThreadCounts(d.pid());
+  EXPECT_EQ(threads["kvferryd"], 1) << testing::ThreadNames(threads);
+  EXPECT_GE(threads["kvf-http"], 2) << testing::ThreadNames(threads);
+}
+
 TEST(DaemonLargeWriteTest, AWriteOverSeveralStagingChunksStoresTheReferenceBytes) {
   // 10000 rows (9.8 MiB): more than two 4 MiB staging chunks, scattered over 200 pages, so
   // the commit stores chunk by chunk (from the staging itself on the cpu backend).

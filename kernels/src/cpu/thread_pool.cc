@@ -9,6 +9,7 @@
 #include <atomic>
 
 #include "kvferry/kernels/cpu_thread_pool.h"
+#include "kvferry/thread_name.h"
 
 namespace kvferry::cpu {
 namespace {
@@ -39,7 +40,12 @@ struct ThreadPool::Job {
 };
 
 ThreadPool::ThreadPool(int num_threads) {
-  for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  for (int i = 1; i < num_threads; ++i) {
+    workers_.emplace_back([this, i] {
+      NameThisThread("kvf-cpu-" + std::to_string(i));
+      WorkerLoop();
+    });
+  }
 }
 
 ThreadPool::~ThreadPool() {
