@@ -145,10 +145,12 @@ struct SessionManager::Session {
 
 SessionManager::SessionManager(PoolManager* pools, TransferObserver* observer)
     : pools_(pools), observer_(observer) {
-  for (int i = 0; i < kCompletionThreads; ++i) completers_.emplace_back([this] {
+  for (int i = 0; i < kCompletionThreads; ++i) {
+    completers_.emplace_back([this] {
       NameThisThread("kvf-completions");
       CompletionLoop();
     });
+  }
 }
 
 SessionManager::~SessionManager() {

@@ -450,9 +450,13 @@ absl::StatusOr<std::unique_ptr<Reader>> TransferEngine::Offer(
   offer->set_host(ucx_->host());
   // Bytes UCX moves in device memory (cuda_ipc, GPUDirect RDMA) are copied by the GPU, not
   // by a thread per connection: one lane. Host memory and host staging take every lane.
-  offer->set_lanes(static_cast<uint32_t>(device ? 1 : ucx_->lanes()));
+  const int lanes = device ? 1 : ucx_->lanes();
+  offer->set_lanes(static_cast<uint32_t>(lanes));
   KVF_ASSIGN_OR_RETURN(std::string nonce, PeerNonce());
   offer->set_nonce(std::move(nonce));
+  // The first batch is gathered while the receiver reserves its pages, into the memory this
+  // offer is for (SendAll launches the batch again if the ready says otherwise).
+  PrepareSend(*reader, device, lanes);
   return reader;
 }
 
@@ -652,10 +656,7 @@ absl::Status TransferEngine::Push(const TenantAccount& tenant, const v1::PushReq
     KVF_RETURN_IF_ERROR(AddToken(call.context()));
     call.Open(stub);
     KVF_RETURN_IF_ERROR(call.Write(offer));
-    // The first batch is gathered while the peer reserves its pages, into the memory it will
-    // most likely want: as for its host when it last answered (SendAll launches the batch
-    // again if the ready says otherwise).
-    PrepareSend(*reader, UcxMovesMemoryOf(*pool, peer_host), OfferedLanes(offer.offer()));
+    // The first batch, gathered while the peer reserves its pages (Offer prepared it).
     if (absl::Status s = reader->Prefetch(); !s.ok()) {
       call.Cancel();
       return s;
@@ -868,10 +869,7 @@ absl::Status TransferEngine::Serve(
                            Offer(pool, pages, request.layers(), request.transcode_to(),
                                  request.host(), offer.mutable_offer()));
       if (!stream->Write(offer)) return PeerUnavailable("the receiving peer left");
-      // The first batch is gathered while the receiver reserves its pages, into the memory
-      // its host (named in the request) gets (SendAll launches it again if the ready says
-      // otherwise).
-      PrepareSend(*reader, UcxMovesMemoryOf(*pool, request.host()), OfferedLanes(offer.offer()));
+      // The first batch, gathered while the receiver reserves its pages (Offer prepared it).
       KVF_RETURN_IF_ERROR(reader->Prefetch());
       v1::PeerMessage ready;
       if (!stream->Read(&ready) || !ready.has_ready()) {

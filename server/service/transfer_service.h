@@ -116,7 +116,8 @@ class TransferEngine {
   // Sender: a reader of the pages and the offer that describes its bytes, for a receiver
   // on `peer_host` (as best known; empty: another host). Where UCX moves the pool's device
   // memory to that host, the offer asks for device-sized messages on one lane; otherwise
-  // (host memory, host staging) for host-sized messages on every lane this daemon has.
+  // (host memory, host staging) for host-sized messages on every lane this daemon has. The
+  // reader is prepared for that memory and those lanes (PrepareSend).
   absl::StatusOr<std::unique_ptr<Reader>> Offer(const std::shared_ptr<Pool>& pool,
                                                 std::span<const PageHandle> pages,
                                                 const google::protobuf::RepeatedField<uint32_t>& layers,
