@@ -46,6 +46,16 @@ def test_leases_digests_and_events(client):
     batch = next(events)
     assert batch.publisher_id == publisher and batch.events[0].key == b"a"
     events.cancel()
+    assert list(events) == []  # a cancelled subscription ends its iteration
+    # A subscription's failure is a kvferry.Error with the daemon's reason, as any call's.
+    with client.subscribe_events(after_sequence=0, publisher_id=publisher ^ 1) as gone:
+        with pytest.raises(kvferry.Error) as changed:
+            next(gone)
+    assert changed.value.code.name == "FAILED_PRECONDITION"
+    expect_reason(changed.value, "PUBLISHER_CHANGED")
+    with pytest.raises(kvferry.Error) as negative:
+        client.subscribe_events(after_sequence=-1)
+    assert negative.value.code.name == "INVALID_ARGUMENT"
 
     class Wrong:
         name, digest = ns.name, ns.digest ^ 1

@@ -12,8 +12,8 @@ kvferry.Error.
 """
 
 from kvferry._arrays import torch_bf16
-from kvferry._client import Client, Layout
+from kvferry._client import Client, EventStream, Layout
 from kvferry._errors import REASON_KEY, Error
 from kvferry._pages import Pages
 
-__all__ = ["Client", "Error", "Layout", "Pages", "REASON_KEY", "torch_bf16"]
+__all__ = ["Client", "Error", "EventStream", "Layout", "Pages", "REASON_KEY", "torch_bf16"]

@@ -12,7 +12,7 @@ import numpy as np
 
 from kvferry import _wire
 from kvferry._arrays import ROW_BYTES, byte_view, rows_bf16, writable_bytes
-from kvferry._errors import Error, invalid_argument, translated
+from kvferry._errors import Error, from_rpc_error, invalid_argument, translated
 from kvferry._pages import Pages
 from kvferry.v1 import cache_pb2 as cache_pb
 from kvferry.v1 import cache_pb2_grpc as cache_grpc
@@ -639,10 +639,47 @@ class Client:
                 blocks.extend(chunk.blocks)
         return publisher, sequence, blocks
 
-    def subscribe_events(self, after_sequence: int = 0, publisher_id: int = 0):
-        """An iterator of kvferry.v1.EventBatch (events after `after_sequence`, heartbeats
-        at least every second); cancel() the returned call to stop. Errors surface as
-        grpc.RpcError from iteration (EVENTS_LOST: take a snapshot and subscribe again)."""
-        return self.cache_stub.SubscribeEvents(cache_pb.SubscribeEventsRequest(
-            after_sequence=after_sequence, publisher_id=publisher_id))
+    def subscribe_events(self, after_sequence: int = 0, publisher_id: int = 0, *,
+                         timeout: float | None = None) -> "EventStream":
+        """An iterator of kvferry.v1.EventBatch: the events after `after_sequence`, and
+        heartbeats at least every second. Unlike the other calls, a subscription has no
+        deadline unless `timeout` is given (the Client's default does not apply): it lasts
+        until cancel() or close(). Errors surface from iteration as kvferry.Error:
+        EVENTS_LOST (ABORTED: the subscriber fell behind) or PUBLISHER_CHANGED
+        (FAILED_PRECONDITION: the daemon restarted): take a snapshot and subscribe again."""
+        request = cache_pb.SubscribeEventsRequest(after_sequence=_uint(after_sequence, "after_sequence"),
+                                                  publisher_id=_uint(publisher_id, "publisher_id"))
+        return EventStream(self.cache_stub.SubscribeEvents(request, timeout=timeout))
+
+
+class EventStream:
+    """A cache event subscription (Client.subscribe_events): iterate it for EventBatch
+    messages; cancel() or close() ends it (iteration then stops); a context manager."""
+
+    def __init__(self, call):
+        self._call = call
+        self._cancelled = False
+
+    def __iter__(self) -> "EventStream":
+        return self
+
+    def __next__(self) -> cache_pb.EventBatch:
+        try:
+            return next(self._call)
+        except grpc.RpcError as error:
+            if self._cancelled and error.code() == grpc.StatusCode.CANCELLED:
+                raise StopIteration from None
+            raise from_rpc_error(error) from error
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        self._call.cancel()
+
+    close = cancel
+
+    def __enter__(self) -> "EventStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cancel()
 
