@@ -34,6 +34,11 @@ using Tenant = std::shared_ptr<TenantAccount>;
 using PeerStream = grpc::ClientReaderWriter<v1::PeerMessage, v1::PeerMessage>;
 
 constexpr int64_t kMaxMessageBytes = int64_t{64} << 20;
+// The most UCX messages one transfer may take. The receiver posts a receive (and builds its
+// pieces) for each, on its lane's progress thread, before it answers: an offer of tiny
+// messages must not make it post millions. A sender makes its messages large enough.
+constexpr int64_t kMaxMessagesPerTransfer = int64_t{1} << 16;
+static_assert(kMaxMessagesPerTransfer <= (int64_t{1} << kUcxTagIndexBits));
 
 double Seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -424,9 +429,17 @@ void TransferEngine::Record(const char* op, const std::string& peer, bool sent, 
   if (observer_) observer_(PeerTransferRecord{op, peer, sent, bytes, seconds, status});
 }
 
+bool TransferEngine::InUcxDeviceMemory(Pool& pool) const {
+  return ucx_ != nullptr && pool.backend().device() == ucx_->device_memory();
+}
+
 bool TransferEngine::UcxMovesMemoryOf(Pool& pool, const std::string& peer_host) const {
-  return ucx_ != nullptr && pool.backend().device() == ucx_->device_memory() &&
+  return InUcxDeviceMemory(pool) &&
          ucx_->DeviceMemoryTo(!peer_host.empty() && peer_host == ucx_->host());
+}
+
+bool TransferEngine::SendsFromDevice(Pool& pool, const v1::PeerReady& ready) const {
+  return ready.device_memory() && UcxMovesMemoryOf(pool, ready.host());
 }
 
 absl::StatusOr<std::unique_ptr<Reader>> TransferEngine::Offer(
@@ -438,16 +451,19 @@ absl::StatusOr<std::unique_ptr<Reader>> TransferEngine::Offer(
   const int64_t page_bytes = OutputPageBytes(*pool, transcode);
   const bool device = UcxMovesMemoryOf(*pool, peer_host);
   const int64_t message_bytes = device ? options_.device_message_bytes : options_.message_bytes;
+  const int64_t units = static_cast<int64_t>(pages.size() * layers.size());
   const int64_t per_message =
-      std::max<int64_t>(1, std::min(message_bytes, kMaxMessageBytes) / page_bytes);
+      std::max({int64_t{1}, std::min(message_bytes, kMaxMessageBytes) / page_bytes,
+                (units + kMaxMessagesPerTransfer - 1) / kMaxMessagesPerTransfer});
   KVF_ASSIGN_OR_RETURN(std::unique_ptr<Reader> reader,
                        server::ReadPages(pool, pages, layers, transcode, per_message * page_bytes));
   for (int64_t l : layers) offer->add_layers(static_cast<uint32_t>(l));
   offer->set_layout(ToProto(transcode.value_or(pool->config().layout)));
   offer->set_page_bytes(static_cast<uint64_t>(page_bytes));
   offer->set_message_bytes(static_cast<uint64_t>(per_message * page_bytes));
-  offer->set_units(pages.size() * layers.size());
+  offer->set_units(static_cast<uint64_t>(units));
   offer->set_host(ucx_->host());
+  offer->set_device_memory(InUcxDeviceMemory(*pool));
   // Bytes UCX moves in device memory (cuda_ipc, GPUDirect RDMA) are copied by the GPU, not
   // by a thread per connection: one lane. Host memory and host staging take every lane.
   const int lanes = device ? 1 : ucx_->lanes();
@@ -477,7 +493,9 @@ absl::StatusOr<std::unique_ptr<TransferEngine::Receiving>> TransferEngine::Recei
   // buffer (UCX moves contiguous receives zero-copy; an I/O vector falls back to copies).
   // A host memory pool whose pages hold nothing yet receives in place instead (an I/O vector
   // over the pool's pages): no staging to fault in, no copy at the commit.
-  // A GPU pool whose memory UCX moves itself from this sender is staged in device memory.
+  // A GPU pool whose memory UCX moves itself from this sender, whose pages are in device
+  // memory too, is staged in device memory (host bytes into device memory would take UCX's
+  // slow pipeline on one lane; host staging copies them to the device as they arrive).
   // Staging pieces no larger than the whole transfer (the quota is charged for the bytes
   // sent, so a small transfer with large messages must not take a large piece); units is
   // pages x layers here, so the product cannot overflow. ForPages rounds a piece to whole
@@ -487,7 +505,8 @@ absl::StatusOr<std::unique_ptr<TransferEngine::Receiving>> TransferEngine::Recei
       std::min<uint64_t>(m, offer.units() * static_cast<uint64_t>(page_bytes)));
   KVF_ASSIGN_OR_RETURN(std::unique_ptr<StagedWrite> write,
                        StagedWrite::ForPages(pool, layout, write_limits_, piece,
-                                             UcxMovesMemoryOf(*pool, offer.host())));
+                                             offer.device_memory() &&
+                                                 UcxMovesMemoryOf(*pool, offer.host())));
   if (offer.page_bytes() != static_cast<uint64_t>(page_bytes)) {
     return Error(absl::StatusCode::kFailedPrecondition, ErrorReason::kLayoutMismatch,
                  absl::StrCat("the source's pages are ", offer.page_bytes(), " bytes, pool '",
@@ -504,15 +523,21 @@ absl::StatusOr<std::unique_ptr<TransferEngine::Receiving>> TransferEngine::Recei
   r->message_bytes = message_bytes;
   // A GPU pool staged on the host: each message goes on to the device as it arrives.
   KVF_RETURN_IF_ERROR(r->write->PrepareDeviceMirror().status());
+  // ReservePages bounded bytes by the write limits, so the count cannot overflow.
+  const int64_t count = (r->bytes + message_bytes - 1) / message_bytes;
+  if (count > kMaxMessagesPerTransfer) {
+    return Error(absl::StatusCode::kInvalidArgument, ErrorReason::kInvalidRequest,
+                 absl::StrCat("the offer's messages of ", message_bytes, " bytes make ", count,
+                              " messages, more than the ", kMaxMessagesPerTransfer,
+                              " one transfer may take"));
+  }
   std::vector<std::vector<std::span<uint8_t>>> messages;
   std::vector<MemoryBlock> blocks;  // registered once each, reused by later transfers
+  messages.reserve(static_cast<size_t>(count));
+  blocks.reserve(static_cast<size_t>(count));
   for (int64_t at = 0; at < r->bytes; at += message_bytes) {
     messages.push_back(r->write->StagingPieces(at, std::min(message_bytes, r->bytes - at)));
     blocks.push_back(r->write->StagingBlock(at));
-  }
-  if (messages.size() >= (size_t{1} << kUcxTagIndexBits)) {
-    return Error(absl::StatusCode::kResourceExhausted, ErrorReason::kWriteTooLarge,
-                 "too many messages for one transfer; split it");
   }
   absl::BitGen random;
   const uint64_t id = absl::Uniform<uint64_t>(random, 1, uint64_t{1} << 40);
@@ -528,6 +553,7 @@ absl::StatusOr<std::unique_ptr<TransferEngine::Receiving>> TransferEngine::Recei
       std::span(ucx_->addresses()).subspan(1, static_cast<size_t>(lanes - 1));
   for (const std::string& address : lane_addresses) ready->add_lane_addresses(address);
   ready->set_host(ucx_->host());
+  ready->set_device_memory(on_device);
   ready->set_transfer_id(id);
   ready->set_transport(ucx_->transports());
   if (!options_.secret.empty()) {
@@ -563,8 +589,11 @@ absl::Status TransferEngine::SendAll(std::unique_ptr<Reader> owned, const v1::Pe
   // message i-1 is still on the wire while batch i+1 is gathered, and two messages are in
   // flight (bench/RESULTS.md). --peer_send_depth sets it (--peer_device_send_depth for
   // batches left in device memory).
-  // A first batch prefetched for other memory launches again.
-  PrepareSend(reader, on_device, OfferedLanes(offer));
+  // A first batch prefetched for other memory launches again; then the depth follows the
+  // lanes the receiver agreed to (the offer's lanes keep the prefetched batch otherwise).
+  PrepareSend(reader, on_device,
+              on_device == reader.device_output() ? OfferedLanes(offer)
+                                                  : static_cast<int>(addresses.size()));
   const int kDepth = reader.depth();
   const uint64_t total = offer.units() * offer.page_bytes();
   uint64_t sent = 0;
@@ -663,7 +692,7 @@ absl::Status TransferEngine::Push(const TenantAccount& tenant, const v1::PushReq
     }
     KVF_ASSIGN_OR_RETURN(const v1::PeerMessage ready, call.Read(v1::PeerMessage::kReady));
     got_ready = Clock::now();
-    from_device = UcxMovesMemoryOf(*pool, ready.ready().host());
+    from_device = SendsFromDevice(*pool, ready.ready());
     absl::Status sent = SendAll(std::move(reader), offer.offer(), ready.ready(), from_device,
                                 [&] { return context.IsCancelled(); });
     sent_all = Clock::now();
@@ -876,7 +905,7 @@ absl::Status TransferEngine::Serve(
         return PeerUnavailable("the receiving peer refused or left before it was ready");
       }
       KVF_RETURN_IF_ERROR(SendAll(std::move(reader), offer.offer(), ready.ready(),
-                                  UcxMovesMemoryOf(*pool, ready.ready().host()), cancelled));
+                                  SendsFromDevice(*pool, ready.ready()), cancelled));
       bytes = offer.offer().units() * offer.offer().page_bytes();
       v1::PeerMessage done;
       stream->Read(&done);  // the receiver's commit (or its end)

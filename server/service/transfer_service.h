@@ -108,11 +108,17 @@ class TransferEngine {
                                                      std::span<const PageHandle> pages,
                                                      const v1::PeerOffer& offer,
                                                      v1::PeerReady* ready);
+  // Whether `pool` is in the GPU memory this daemon's UCX was given (it may move it).
+  bool InUcxDeviceMemory(Pool& pool) const;
   // Whether UCX moves `pool`'s memory itself to or from the peer on `peer_host` (a GPU pool
   // on the device UCX was given, and a transport that reaches that peer without the host:
-  // UcxWorker::DeviceMemoryTo): its bytes are then sent from and received into device
-  // memory, with no copy through the host.
+  // UcxWorker::DeviceMemoryTo). Where both sides' pools are such, the bytes are sent from
+  // and received into device memory, with no copy through the host (PeerOffer and
+  // PeerReady.device_memory tell the other side).
   bool UcxMovesMemoryOf(Pool& pool, const std::string& peer_host) const;
+  // Sender: whether `pool`'s bytes go out of device memory, for a receiver that answered
+  // `ready` (it takes them into device memory, and UCX moves the pool's memory to its host).
+  bool SendsFromDevice(Pool& pool, const v1::PeerReady& ready) const;
   // Sender: a reader of the pages and the offer that describes its bytes, for a receiver
   // on `peer_host` (as best known; empty: another host). Where UCX moves the pool's device
   // memory to that host, the offer asks for device-sized messages on one lane; otherwise

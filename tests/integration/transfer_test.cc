@@ -138,8 +138,9 @@ std::vector<v1::TokenLocation> EveryStep(const std::vector<v1::PageHandle>& page
 
 // A pool on `d` holding golden case `c` in `layout` (layer 0): returns its pages in id order.
 std::vector<v1::PageHandle> GoldenPool(Daemon& d, const std::string& name,
-                                       const testing::GoldenCase& c, Layout layout) {
-  testing::CreatePool(d, name, layout, c.page_size, c.num_pages);
+                                       const testing::GoldenCase& c, Layout layout,
+                                       const std::string& device = "") {
+  testing::CreatePool(d, name, layout, c.page_size, c.num_pages, 1, device);
   const auto pages = AllPages(d, name, static_cast<int>(c.num_pages));
   const auto rows = testing::ReadArray<uint16_t>(c.file("input.bf16"));
   const auto locs = testing::ReadArray<int64_t>(c.file("locs.i64"));
@@ -706,6 +707,53 @@ TEST(PeerHostileTest, MalformedOrAbandonedOffersAreRefusedAndLeaveNothingBehind)
   EXPECT_TRUE(streams_reach(0));
 }
 
+// An offer that cuts its bytes into more messages than one transfer may take (65536) is
+// refused before the daemon posts a receive for any: a receive each, posted on a UCX
+// progress thread before the answer, would let one offer of tiny messages hold that thread
+// (and every transfer on its lane) while it posts a million. The same bytes in half as
+// many messages are taken.
+TEST(PeerHostileTest, AnOfferOfTooManyMessagesIsRefusedBeforeAnyReceive) {
+  Daemon d({"--peer_timeout_seconds=1", "--stream_idle_timeout_seconds=2"});
+  constexpr int kPages = 32769;  // x 2 layers: 65538 units (a page of one token each)
+  testing::CreatePool(d, "dst", Layout::kV41, 1, kPages, 2, "cpu");
+  const auto dst = AllPages(d, "dst", kPages);
+  ASSERT_EQ(dst.size(), static_cast<size_t>(kPages));
+  const uint64_t page_bytes = PageBytes(Layout::kV41, 1);
+  auto offer = [&](uint64_t message_bytes) {
+    v1::PeerMessage m = OfferInto({}, 2 * kPages, page_bytes, message_bytes);
+    *m.mutable_offer()->mutable_page_list() = testing::PackPages(dst);
+    m.mutable_offer()->add_layers(1);
+    return m;
+  };
+  const PeerReplies tiny = ExchangeWith(d, {offer(page_bytes)});
+  EXPECT_FALSE(tiny.ready);
+  EXPECT_EQ(tiny.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+      << tiny.status.error_message();
+  EXPECT_EQ(tiny.reason, "INVALID_REQUEST");
+  EXPECT_NE(tiny.status.error_message().find("65538 messages"), std::string::npos)
+      << tiny.status.error_message();
+  EXPECT_EQ(testing::StagedBytesSettled(d), 0);
+  // Two pages a message: 32769 messages, taken (and then abandoned: no bytes come).
+  const PeerReplies taken = ExchangeWith(d, {offer(2 * page_bytes)});
+  EXPECT_TRUE(taken.ready);
+  EXPECT_EQ(taken.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_EQ(testing::StagedBytesSettled(d), 0);
+  // A daemon asked for a message a page makes its messages large enough to fit: its push of
+  // the same pages lands whole.
+  Daemon a({"--ucx_lanes=1", "--peer_message_bytes=1"});
+  testing::CreatePool(a, "src", Layout::kV41, 1, kPages, 2, "cpu");
+  const auto src = AllPages(a, "src", kPages);
+  ASSERT_EQ(src.size(), static_cast<size_t>(kPages));
+  for (uint32_t layer : {0u, 1u}) {
+    const std::vector<v1::TokenLocation> at = {Location(src[7], 0), Location(src[kPages - 1], 0)};
+    ASSERT_TRUE(testing::WriteTokens(a, "src", layer, at, testing::RandomRows(2, 40 + layer)).ok());
+  }
+  const Outcome pushed = Push(a, "src", src, Address(d), "dst", dst);
+  ASSERT_TRUE(pushed.status.ok()) << pushed.status.error_message();
+  EXPECT_EQ(ReadAll(d, "dst", dst), ReadAll(a, "src", src));
+  EXPECT_TRUE(d.Alive());
+}
+
 // A caller of the Peer service that opens with requests (a Pull's opening, which the source
 // answers with an offer) naming their source pages badly: each is refused with its reason
 // before any offer, and a well-formed request after them is offered as usual.
@@ -1198,21 +1246,43 @@ TEST(TransferDeviceMemoryTest, GpuPoolsLeaveAndLandInDeviceMemoryByteForByte) {
       EXPECT_FALSE(refused.status.ok());
       EXPECT_EQ(ReadAll(b, l, dst), before);
     }
-    // With cuda_ipc every push that sent bytes left from device memory (per layout: the push
-    // and the transcoded push; the refused one ended before) and every push that landed went
-    // through device staging.
+    // A pool in host memory on either side: a cpu pool pushed into a GPU pool lands through
+    // host staging, copied to the device as it arrives (UCX would take host bytes into
+    // device memory through its slow pipeline, on one lane), and a GPU pool pushed into a
+    // fresh cpu pool leaves from host memory and lands in place; both byte for byte.
+    {
+      const std::string l = LayoutName(Layout::kV41);
+      const std::string golden = AsBytes(testing::ReadBytes(c.file("pool." + l + ".bin")));
+      const auto host_src = GoldenPool(a, "host", c, Layout::kV41, "cpu");
+      testing::CreatePool(b, "from.host", Layout::kV41, c.page_size, c.num_pages);
+      const auto gpu_dst = AllPages(b, "from.host", static_cast<int>(c.num_pages));
+      Outcome up = Push(a, "host", host_src, Address(b), "from.host", gpu_dst);
+      ASSERT_TRUE(up.status.ok()) << up.status.error_message();
+      EXPECT_EQ(ReadAll(b, "from.host", gpu_dst), golden);
+      const auto gpu_src = GoldenPool(a, "gpu", c, Layout::kV41);
+      testing::CreatePool(b, "to.host", Layout::kV41, c.page_size, c.num_pages, 1, "cpu");
+      const auto host_dst = AllPages(b, "to.host", static_cast<int>(c.num_pages));
+      Outcome down = Push(a, "gpu", gpu_src, Address(b), "to.host", host_dst);
+      ASSERT_TRUE(down.status.ok()) << down.status.error_message();
+      EXPECT_EQ(ReadAll(b, "to.host", host_dst), golden);
+    }
+    // With cuda_ipc every push between GPU pools that sent bytes left from device memory
+    // (per layout: the push and the transcoded push; the refused one ended before) and every
+    // one that landed went through device staging; the two pushes to or from a cpu pool
+    // did neither.
     const bool direct = transports.find("cuda_ipc") != std::string::npos;
     EXPECT_EQ(count(a, " from device memory:"), direct ? 2 * 3 : 0) << a.Log();
     EXPECT_EQ(count(b, " through device staging,"), direct ? 2 * 3 : 0) << b.Log();
+    EXPECT_EQ(count(b, " bytes in place, "), 1) << b.Log();
     // On one lane, though each daemon has as many as its cores give (the first push was
     // offered on all of them, the source not knowing yet that the peer shares its host).
     if (direct) {
       EXPECT_EQ(count(b, "device staging, "), count(b, "; 1 lane(s))")) << b.Log();
     }
     // Without cuda_ipc the bytes land in host staging, each message copied on to the device
-    // as it arrived.
-    EXPECT_EQ(count(b, "copied to the device as it arrived"), direct ? 0 : 2 * 3) << b.Log();
-    EXPECT_EQ(count(b, "push received:"), 2 * 3) << b.Log();
+    // as it arrived (with it too, those from the cpu pool).
+    EXPECT_EQ(count(b, "copied to the device as it arrived"), direct ? 1 : 2 * 3 + 1) << b.Log();
+    EXPECT_EQ(count(b, "push received:"), 2 * 3 + 2) << b.Log();
   }
 }
 
