@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 deploy/install-deps.sh
-deploy/build.sh
+deploy/build.sh -DKVFERRY_BUILD_TESTS=ON -DKVFERRY_BUILD_BENCH=ON
 ctest --test-dir build --output-on-failure -j"${KVFERRY_JOBS:-2}" "$@"
 if [ "${KVFERRY_SANITIZERS:-1}" != 0 ]; then
   tests/sanitize.sh asan

@@ -1,6 +1,7 @@
 // `kvferry format quantize|dequantize|transcode|info`.
 #include "format_commands.h"
 
+#include <algorithm>
 #include <cstring>
 #include <iomanip>
 #include <optional>
@@ -212,6 +213,11 @@ int RunFormatCommand(const std::vector<std::string>& words, std::ostream& out,
   if (words.empty()) {
     err << FormatUsage();
     return kExitUsage;
+  }
+  // `kvferry format --help`, `kvferry format help` or `--help` after a verb: the usage, exit 0.
+  if (words[0] == "help" || std::find(words.begin(), words.end(), "--help") != words.end()) {
+    out << FormatUsage();
+    return kExitOk;
   }
   const std::string& verb = words[0];
   const std::vector<std::string> rest(words.begin() + 1, words.end());

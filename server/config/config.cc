@@ -284,6 +284,8 @@ std::vector<Setting> Effective(const ConfigFile* file, const FlagScope& scope) {
 }
 
 bool IsSecretKey(std::string_view key) {
+  // A path names where a secret is kept (peer_secret_file, password_file), not the secret.
+  if (key.ends_with("_file")) return false;
   return key.find("password") != std::string_view::npos ||
          key.find("secret") != std::string_view::npos || key.ends_with("_token");
 }

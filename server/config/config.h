@@ -89,8 +89,8 @@ struct Setting {
 std::vector<Setting> Effective(const ConfigFile* file, const FlagScope& scope);
 
 // Keys whose values are secrets themselves, never logged: names containing "password" or
-// "secret", or ending in "_token". Paths to files holding secrets (--tls_key,
-// --auth_tokens) are not secret.
+// "secret", or ending in "_token", but not ending in "_file". Paths to files holding
+// secrets (--tls_key, --auth_tokens, --peer_secret_file) are not secret.
 bool IsSecretKey(std::string_view key);
 
 }  // namespace kvferry::server::config

@@ -171,6 +171,9 @@ class Stack:
         self.kvferry("pool", "create", "extra2", "--layout", "v4", "--page-size", 16, "--pages",
                      1, "--device", "cpu", fails_with="DAEMON_BUDGET_EXHAUSTED")
         self.kvferry("pool", "delete", "extra")
+        # A push to a peer that is not there (kvferry_peer_transfer_failures_total).
+        self.kvferry("push", "lat", "--pages", pages, "--to", "127.0.0.1:1", "--to-pool", "lat",
+                     "--to-pages", pages, fails_with="PEER_UNAVAILABLE")
         self.cache_traffic()
         missing = self.tmp / "missing.json"
         self.kvferry("pages", "alloc", "no-such-pool", 1, "--out", missing,

@@ -97,6 +97,24 @@ TEST_F(CliTest, UsageErrorsExitTwo) {
   EXPECT_NE(r.err.find("takes an integer"), std::string::npos) << r.err;
 }
 
+// --help anywhere in a format command prints the format tools' usage on stdout, exit 0,
+// and runs nothing (a quantize that would write a pool writes none).
+TEST_F(CliTest, HelpOnEveryFormatCommandPrintsTheUsage) {
+  for (const std::string args :
+       {"format --help", "format help", "format quantize --help",
+        "format info --layout v4 --help", "format transcode --from v41 --help"}) {
+    SCOPED_TRACE(args);
+    const RunResult r = Run(args);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_NE(r.out.find("kvferry format quantize"), std::string::npos) << r.out;
+    EXPECT_EQ(r.err, "");
+  }
+  const RunResult r = Run("format quantize --layout v4 --page-size 16 --num-pages 1 --pool " +
+                          Path("pool.bin") + " --help");
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_FALSE(std::ifstream(Path("pool.bin")).good()) << "a --help run wrote a pool";
+}
+
 TEST_F(CliTest, InvalidInputExitsOneWithMessageAndWritesNoPool) {
   // One row with a NaN in dim 3.
   std::string row(1024, '\0');

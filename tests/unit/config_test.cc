@@ -121,6 +121,8 @@ TEST_F(ConfigTest, SecretKeys) {
   EXPECT_TRUE(IsSecretKey("client_secret"));
   EXPECT_FALSE(IsSecretKey("auth_tokens"));  // a path to the token file
   EXPECT_FALSE(IsSecretKey("tls_key"));      // a path to the key file
+  EXPECT_FALSE(IsSecretKey("peer_secret_file"));  // a path to the secret, not the secret
+  EXPECT_FALSE(IsSecretKey("peer_token_file"));
 }
 
 TEST_F(ConfigTest, UnknownKeyNamesKeyAndLine) {
