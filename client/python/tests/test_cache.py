@@ -27,6 +27,28 @@ def test_put_lookup_load_is_byte_exact_with_the_goldens(client, case, layout):
     assert client.put_rows(ns, "kv", keys, case.rows[:blocks * case.page_size]).blocks_already_held == blocks
     records = client.load_pages(ns, hit.lease_id, "kv")
     assert records.size == blocks * case.layouts[layout]["page_bytes"]
+    # The records put by key into another namespace (in chunks smaller than a record, so
+    # that a page arrives over several messages) load as the same rows and records.
+    client.create_pool("kv2", LAYOUTS[layout], case.page_size, blocks + 1, device=device())
+    ns2 = client.create_namespace("n2", ["kv2"], block_tokens=case.page_size, model_fingerprint="m")
+    small = kvferry.Client(channel=client._channel, chunk_bytes=2048)
+    assert small.put_pages(ns2, "kv2", LAYOUTS[layout], keys, records).blocks_stored == blocks
+    hit2 = client.lookup(ns2, keys, lease_ttl=30)
+    assert hit2.hit_blocks == blocks
+    assert np.array_equal(client.load_rows(ns2, hit2.lease_id, "kv2"), expected)
+    assert np.array_equal(client.load_pages(ns2, hit2.lease_id, "kv2"), records)
+    # Records that do not split into the keys, a record cut short, or records said to be of
+    # another layout: refused, nothing stored.
+    page_bytes = records.size // blocks
+    with pytest.raises(kvferry.Error) as ragged:
+        client.put_pages(ns2, "kv2", LAYOUTS[layout], ["x", "z"], records[:3])
+    assert ragged.value.code.name == "INVALID_ARGUMENT"
+    with pytest.raises(kvferry.Error):
+        client.put_pages(ns2, "kv2", LAYOUTS[layout], ["x"], records[:page_bytes - 1])
+    other = next(v for k, v in LAYOUTS.items() if k != layout)
+    with pytest.raises(kvferry.Error):
+        client.put_pages(ns2, "kv2", other, ["y"], records[:page_bytes])
+    assert client.lookup(ns2, ["x"]).hit_blocks == 0 and client.lookup(ns2, ["y"]).hit_blocks == 0
 
 
 def test_leases_digests_and_events(client):

@@ -573,6 +573,41 @@ class Client:
         with translated():
             return self.cache_stub.PutRows(messages(), timeout=self._deadline(timeout))
 
+    def put_pages(self, namespace, pool: str, layout: Layout | int, keys, records, *,
+                  layers: int = 1, timeout=None) -> cache_pb.PutResponse:
+        """Stores blocks by key from page records as load_pages returns them: `records`
+        (bytes-like or uint8 array) holds, for each key in order and each layer, the block's
+        page record in `layout` (the pool's). All or nothing; keys already held are skipped
+        (PutResponse.blocks_already_held)."""
+        data = byte_view(records, "records")
+        keys = [bytes(k, "utf-8") if isinstance(k, str) else bytes(k) for k in keys]
+        units = len(keys) * _uint(layers, "layers")
+        if units == 0 or data.size == 0 or data.size % units:
+            raise invalid_argument(f"{data.size} bytes are not whole page records of "
+                                   f"{len(keys)} keys x {layers} layers")
+        per = data.size // units
+        chunk = self.chunk_bytes
+
+        def messages():
+            for i, key in enumerate(keys):
+                for layer in range(layers):
+                    first = (i * layers + layer) * per
+                    for at in range(0, per, chunk):
+                        message = cache_pb.PutPagesRequest(
+                            key=key, layer=layer, offset=at,
+                            data=data[first + at:first + min(at + chunk, per)].tobytes())
+                        if i == 0 and layer == 0 and at == 0:
+                            message.namespace = namespace.name
+                            message.digest = namespace.digest
+                            message.pool = pool
+                            message.layout = int(layout)
+                        yield message
+            # The end of the put: the daemon stores only a put whose end it saw.
+            yield cache_pb.PutPagesRequest(finish_write=True)
+
+        with translated():
+            return self.cache_stub.PutPages(messages(), timeout=self._deadline(timeout))
+
     def lookup(self, namespace, keys, *, pools=(), lease_ttl: float = 0,
                timeout=None) -> cache_pb.LookupResponse:
         """The longest prefix of `keys` held by every pool of the group (`pools`; empty:
