@@ -521,8 +521,6 @@ absl::StatusOr<std::unique_ptr<TransferEngine::Receiving>> TransferEngine::Recei
   r->bytes = static_cast<int64_t>(offer.units()) * page_bytes;
   const int64_t message_bytes = static_cast<int64_t>(m);
   r->message_bytes = message_bytes;
-  // A GPU pool staged on the host: each message goes on to the device as it arrives.
-  KVF_RETURN_IF_ERROR(r->write->PrepareDeviceMirror().status());
   // ReservePages bounded bytes by the write limits, so the count cannot overflow.
   const int64_t count = (r->bytes + message_bytes - 1) / message_bytes;
   if (count > kMaxMessagesPerTransfer) {
@@ -531,6 +529,8 @@ absl::StatusOr<std::unique_ptr<TransferEngine::Receiving>> TransferEngine::Recei
                               " messages, more than the ", kMaxMessagesPerTransfer,
                               " one transfer may take"));
   }
+  // A GPU pool staged on the host: each message goes on to the device as it arrives.
+  KVF_RETURN_IF_ERROR(r->write->PrepareDeviceMirror().status());
   std::vector<std::vector<std::span<uint8_t>>> messages;
   std::vector<MemoryBlock> blocks;  // registered once each, reused by later transfers
   messages.reserve(static_cast<size_t>(count));

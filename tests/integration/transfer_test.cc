@@ -1277,17 +1277,15 @@ TEST(TransferDeviceMemoryTest, GpuPoolsLeaveAndLandInDeviceMemoryByteForByte) {
     // On one lane, though each daemon has as many as its cores give (the first push was
     // offered on all of them, the source not knowing yet that the peer shares its host).
     if (direct) {
-      const std::string log = b.Log();
       int device_staged = 0, on_one_lane = 0;
-      for (size_t at = 0, end = 0; at < log.size(); at = end + 1) {
-        end = std::min(log.find('\n', at), log.size());
-        const std::string_view line(log.data() + at, end - at);
-        if (line.find(" through device staging, ") == std::string_view::npos) continue;
+      std::istringstream lines(b.Log());
+      for (std::string line; std::getline(lines, line);) {
+        if (line.find(" through device staging, ") == std::string::npos) continue;
         ++device_staged;
-        if (line.find("; 1 lane(s))") != std::string_view::npos) ++on_one_lane;
+        if (line.find("; 1 lane(s))") != std::string::npos) ++on_one_lane;
       }
-      EXPECT_EQ(device_staged, 2 * 3) << log;
-      EXPECT_EQ(on_one_lane, device_staged) << log;
+      EXPECT_EQ(device_staged, 2 * 3) << b.Log();
+      EXPECT_EQ(on_one_lane, device_staged) << b.Log();
     }
     // Without cuda_ipc the bytes land in host staging, each message copied on to the device
     // as it arrived (with it too, those from the cpu pool).

@@ -64,6 +64,11 @@ def _uint(value, what: str) -> int:
     return int(value)
 
 
+def _keys(keys) -> list:
+    """Block keys as bytes (str keys UTF-8 encoded)."""
+    return [bytes(k, "utf-8") if isinstance(k, str) else bytes(k) for k in keys]
+
+
 def _handles(pages: Pages) -> list:
     return [pb.PageHandle(page_id=int(i), generation=int(g))
             for i, g in zip(pages.ids.tolist(), pages.generations.tolist())]
@@ -549,7 +554,7 @@ class Client:
         holds, for each key in order and each layer, the block's page_size rows. All or
         nothing; keys already held are skipped (PutResponse.blocks_already_held)."""
         rows = rows_bf16(rows)
-        keys = [bytes(k, "utf-8") if isinstance(k, str) else bytes(k) for k in keys]
+        keys = _keys(keys)
         units = len(keys) * _uint(layers, "layers")
         if units == 0 or rows.shape[0] % units:
             raise invalid_argument(f"{rows.shape[0]} rows are not whole blocks of {len(keys)} "
@@ -580,7 +585,7 @@ class Client:
         page record in `layout` (the pool's). All or nothing; keys already held are skipped
         (PutResponse.blocks_already_held)."""
         data = byte_view(records, "records")
-        keys = [bytes(k, "utf-8") if isinstance(k, str) else bytes(k) for k in keys]
+        keys = _keys(keys)
         units = len(keys) * _uint(layers, "layers")
         if units == 0 or data.size == 0 or data.size % units:
             raise invalid_argument(f"{data.size} bytes are not whole page records of "
@@ -615,7 +620,7 @@ class Client:
         (seconds) > 0 the hits are pinned under LookupResponse.lease_id for that long."""
         request = cache_pb.LookupRequest(
             namespace=namespace.name, digest=namespace.digest,
-            keys=[bytes(k, "utf-8") if isinstance(k, str) else bytes(k) for k in keys],
+            keys=_keys(keys),
             pools=list(pools), lease_ttl_ms=int(round(lease_ttl * 1000)))
         with translated():
             return self.cache_stub.Lookup(request, timeout=self._deadline(timeout))
