@@ -307,7 +307,8 @@ absl::Status StagedWrite::AddPageBytes(const PageHandle& page, int64_t layer, ui
 }
 
 absl::Status StagedWrite::ReservePages(std::span<const PageHandle> pages,
-                                       std::span<const int64_t> layers, bool in_place) {
+                                       std::span<const int64_t> layers, bool in_place,
+                                       int64_t in_place_message_bytes) {
   const int64_t page_bytes = pool_->geometry().page_bytes();
   const int64_t units = static_cast<int64_t>(pages.size() * layers.size());
   if (units == 0) {
@@ -348,7 +349,8 @@ absl::Status StagedWrite::ReservePages(std::span<const PageHandle> pages,
       pages_.push_back(StagedPage{page, static_cast<int>(layer), at, 0});
     }
   }
-  if (in_place && pool_->backend().host_memory()) {
+  if (in_place && (pool_->backend().host_memory() ||
+                   (device_staging() && MessagesLandInOneRun(in_place_message_bytes)))) {
     KVF_ASSIGN_OR_RETURN(PageTable::Pin pin, pool_->table().PinPages(pages, true));
     bool fresh = true;
     for (int64_t layer : layers) {
@@ -369,6 +371,20 @@ absl::Status StagedWrite::ReservePages(std::span<const PageHandle> pages,
                  "pages reserved into a write that staged bytes already");
   }
   return absl::OkStatus();
+}
+
+bool StagedWrite::MessagesLandInOneRun(int64_t message_bytes) const {
+  const int64_t page_bytes = pool_->geometry().page_bytes();
+  if (message_bytes < page_bytes || message_bytes % page_bytes != 0) return false;
+  const size_t per_message = static_cast<size_t>(message_bytes / page_bytes);
+  for (size_t i = 1; i < pages_.size(); ++i) {
+    if (i % per_message != 0 &&
+        FlatId(pages_[i].layer, pages_[i].handle.page_id) !=
+            FlatId(pages_[i - 1].layer, pages_[i - 1].handle.page_id) + 1) {
+      return false;
+    }
+  }
+  return true;
 }
 
 MemoryBlock StagedWrite::StagingBlock(int64_t offset) const {
@@ -410,17 +426,24 @@ StagedWrite::~StagedWrite() {
     pool_->owner()->Refund(Resource::kStagedWriteBytes, records_charged_);
   }
   if (!in_place_pin_) return;
-  // The pairs held no record when the write began: zero is what they held.
+  // The pairs held no record when the write began: zero is what they held. The page ids
+  // go where the backend reads them (device memory for a GPU pool), as the pool's zeroing.
   const std::vector<int64_t> ids = Columns().flat_ids;
-  PageCopyParams zero;
-  zero.geometry = pool_->flat_pages();
-  zero.pool = pool_->base();
-  zero.pages = ids.data();
-  zero.num_listed = static_cast<int64_t>(ids.size());
-  const Op op = ZeroPagesOp{zero};
-  if (const absl::Status s = pool_->RunTimed("zero_pages", std::span<const Op>(&op, 1)); !s.ok()) {
+  const absl::Status zeroed = [&]() -> absl::Status {
+    const size_t id_bytes = ids.size() * sizeof(int64_t);
+    KVF_ASSIGN_OR_RETURN(Buffer on_backend,
+                         pool_->backend().Allocate(id_bytes, MemoryKind::kDevice, false));
+    PageCopyParams zero;
+    zero.geometry = pool_->flat_pages();
+    zero.pool = pool_->base();
+    zero.pages = on_backend.get<int64_t>();
+    zero.num_listed = static_cast<int64_t>(ids.size());
+    const Op ops[] = {CopyOp{on_backend.get(), ids.data(), id_bytes}, ZeroPagesOp{zero}};
+    return pool_->RunTimed("zero_pages", ops);
+  }();
+  if (!zeroed.ok()) {
     log::Error("pool '{}': {} pages written in place by a write that did not commit could not "
-               "be zeroed again: {}", pool_->config().name, ids.size(), s.ToString());
+               "be zeroed again: {}", pool_->config().name, ids.size(), zeroed.ToString());
   }
   pool_->Unpin(*in_place_pin_);
 }

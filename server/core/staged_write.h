@@ -105,14 +105,19 @@ class StagedWrite {
   // that every byte is there.
   //
   // With `in_place`, on a host memory pool (cpu) whose listed (page, layer) pairs hold no
-  // record yet, there is no staging: the bytes land in the pool itself. The pages are then
+  // record yet, there is no staging: the bytes land in the pool itself. So too on a pool in
+  // device memory staged on the device (ForPages with `device_staging`: UCX moves its
+  // memory) where each message of `in_place_message_bytes` (a whole number of pages) lands
+  // in one run of the pool — consecutive pages of one layer, as a fresh pool's allocations
+  // of one layer are — since UCX takes device memory into one contiguous buffer per
+  // message. The pages are then
   // pinned for writing from here until the write ends (another write of them waits), a
   // commit only checks the handles again and marks the pages written, and a write dropped
   // uncommitted zeroes those pairs again before it unpins them, so the pool ends as it
   // was. A reader of those pages meanwhile (reads never wait for writes) may see part of
   // the bytes. Otherwise, or when any pair holds a record, the bytes are staged as above.
   absl::Status ReservePages(std::span<const PageHandle> pages, std::span<const int64_t> layers,
-                            bool in_place = false);
+                            bool in_place = false, int64_t in_place_message_bytes = 0);
   // Whether ReservePages chose to receive in place (false again once committed).
   bool in_place() const { return in_place_pin_.has_value(); }
   // Pages write staged in host memory for a pool in device memory (after ReservePages): the
@@ -181,6 +186,8 @@ class StagedWrite {
   absl::Status StageRecords(int64_t first, std::span<const uint8_t> rows);
   absl::StatusOr<int64_t> CommitPages();
   absl::StatusOr<int64_t> CommitInPlace();
+  // Whether every run of `message_bytes` of the reserved stream is one run of the pool.
+  bool MessagesLandInOneRun(int64_t message_bytes) const;
   // The staged (page, layer) pairs in order, as the page table and the page ops take them.
   struct PageColumns {
     std::vector<PageHandle> handles;

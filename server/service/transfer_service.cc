@@ -280,6 +280,13 @@ class TransferEngine::Receiving {
     write.reset();
   }
   int64_t message_bytes = 0;
+  // Where its bytes land, for the log.
+  const char* Path() const {
+    if (in_place) return write->device_staging() ? " in place in device memory" : " in place";
+    if (write->device_staging()) return " through device staging";
+    if (write->mirrored()) return " through host staging, copied to the device as it arrived";
+    return " through host staging";
+  }
   // Waits for every message; a write mirrored to the device (host staging for a GPU pool)
   // starts each message's copy to the device as soon as it arrived.
   absl::Status Land(absl::Duration idle, const UcxWorker::CancelCheck& cancelled) {
@@ -492,7 +499,9 @@ absl::StatusOr<std::unique_ptr<TransferEngine::Receiving>> TransferEngine::Recei
   // Staging in pieces of one message each, so that every message lands in one contiguous
   // buffer (UCX moves contiguous receives zero-copy; an I/O vector falls back to copies).
   // A host memory pool whose pages hold nothing yet receives in place instead (an I/O vector
-  // over the pool's pages): no staging to fault in, no copy at the commit.
+  // over the pool's pages): no staging to fault in, no copy at the commit. So does a pool in
+  // device memory (below) where each message lands in one run of its pages: no device
+  // staging to hold the transfer twice, no scatter at the commit.
   // A GPU pool whose memory UCX moves itself from this sender, whose pages are in device
   // memory too, is staged in device memory (host bytes into device memory would take UCX's
   // slow pipeline on one lane; host staging copies them to the device as they arrive).
@@ -513,7 +522,8 @@ absl::StatusOr<std::unique_ptr<TransferEngine::Receiving>> TransferEngine::Recei
                               pool->config().name, "' has pages of ", page_bytes,
                               " bytes (another page size)"));
   }
-  KVF_RETURN_IF_ERROR(write->ReservePages(pages, layers, /*in_place=*/true));
+  KVF_RETURN_IF_ERROR(
+      write->ReservePages(pages, layers, /*in_place=*/true, static_cast<int64_t>(m)));
   auto r = std::make_unique<Receiving>();
   r->write = std::move(write);
   r->settle = idle();
@@ -548,6 +558,7 @@ absl::StatusOr<std::unique_ptr<TransferEngine::Receiving>> TransferEngine::Recei
   KVF_ASSIGN_OR_RETURN(r->receives,
                        ucx_->PostReceives(UcxTag(id, 0), std::move(messages), r->write,
                                           on_device, std::move(blocks), lanes));
+  log::Debug("transfer {}: receiving {} bytes{} on {} lane(s)", id, r->bytes, r->Path(), lanes);
   ready->set_worker_address(ucx_->address());
   const std::span<const std::string> lane_addresses =
       std::span(ucx_->addresses()).subspan(1, static_cast<size_t>(lanes - 1));
@@ -798,6 +809,8 @@ absl::Status TransferEngine::Pull(const TenantAccount& tenant, const v1::PullReq
       return committed.status();
     }
     bytes = static_cast<uint64_t>((*receiving)->bytes);
+    log::Debug("pull received: {} bytes{}; {} lane(s)", bytes, (*receiving)->Path(),
+               (*receiving)->lanes);
     v1::PeerMessage done;
     done.mutable_done()->set_pages(static_cast<uint64_t>(*committed));
     // The pages are committed: the peer only learns that it may stop waiting.
@@ -861,12 +874,7 @@ absl::Status TransferEngine::Serve(
       KVF_ASSIGN_OR_RETURN(const int64_t committed, receiving->Commit());
       log::Debug("push received: {} bytes{}, {:.3f} ms (staging and receives posted {:.3f}, "
                  "bytes {:.3f}, commit {:.3f}; {} lane(s))",
-                 receiving->bytes,
-                 receiving->in_place                   ? " in place"
-                 : receiving->write->device_staging() ? " through device staging"
-                 : receiving->write->mirrored()       ? " through host staging, copied to the device as it arrived"
-                                                      : "",
-                 log::Millis(t0, Clock::now()), log::Millis(t0, posted),
+                 receiving->bytes, receiving->Path(), log::Millis(t0, Clock::now()), log::Millis(t0, posted),
                  log::Millis(posted, received), log::Millis(received, Clock::now()),
                  receiving->lanes);
       bytes = static_cast<uint64_t>(receiving->bytes);

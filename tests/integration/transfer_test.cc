@@ -371,7 +371,7 @@ TEST_P(TransferTest, MessagesSpreadOverTheLanesLandWhole) {
   EXPECT_EQ(ReadAll(b, "dst", pools.dst), ReadAll(a, "src", pools.src));
   EXPECT_EQ(LogCount(b, "; " + std::to_string(Lanes()) + " lane(s))"), 1);
   if (GetParam() == "cuda_lanes") {
-    EXPECT_EQ(LogCount(b, "through host staging, copied to the device as it arrived"), 1);
+    EXPECT_EQ(LogCount(b, "through host staging, copied to the device as it arrived, "), 1);
   }
 }
 
@@ -549,13 +549,18 @@ TEST_P(TransferTest, APeerKilledMidTransferFailsTheCallWithinTheBound) {
 
 // The sender of a Push killed mid-transfer: the destination, which receives fresh pages in
 // place, zeroes what landed once its receives end (within the bound) and releases the
-// pages: they read zero again and take a write at once.
+// pages: they read zero again and take a write at once. With "cuda" the pools have one
+// layer (three times the pages), so that the pages, in order, are one run of the pool and
+// land in place in device memory.
 TEST_P(TransferTest, ADestinationWhoseSenderIsKilledZeroesWhatLandedAndReleasesThePages) {
-  const int kPages = kInterruptedPages * Scale();  // x 64 tokens x 528 B x 3 layers
+  const int layers = GetParam() == "cuda" ? 1 : 3;
+  const int kPages = kInterruptedPages * Scale() * 3 / layers;  // x 64 tokens x 528 B x layers
+  std::vector<std::string> debug = Flags();
+  debug.push_back("--log_level=debug");
   // As above: 60 ms in, then earlier with new daemons where the push finished first.
   for (const int delay_ms : {60, 15, 3}) {
-    Daemon a(Flags()), b(Flags());
-    const PoolPair pools = CreatePools(a, b, 64, kPages, 3, kPages);
+    Daemon a(Flags()), b(debug, /*capture_log=*/true);
+    const PoolPair pools = CreatePools(a, b, 64, kPages, layers, kPages);
     const std::vector<v1::PageHandle>& src = pools.src;
     const std::vector<v1::PageHandle>& dst = pools.dst;
     std::vector<v1::TokenLocation> where;
@@ -570,8 +575,21 @@ TEST_P(TransferTest, ADestinationWhoseSenderIsKilledZeroesWhatLandedAndReleasesT
       if (delay_ms == 3) GTEST_SKIP() << "the transfer finished before the kill";
       continue;
     }
+    // Received in place: a cpu pool in host memory; a GPU pool in device memory where UCX
+    // moves it (else through host staging, nothing in the pool before the commit).
+    // (Unless the kill came before the offer did.)
+    if (LogCount(b, ": receiving ") == 1) {
+      if (GetParam().rfind("cuda", 0) != 0) {
+        EXPECT_EQ(LogCount(b, " in place on "), 1) << b.Log();
+      }
+      if (GetParam() == "cuda" &&
+          b.Log().find("device_memory=" + testing::TestDevice()) != std::string::npos) {
+        EXPECT_EQ(LogCount(b, " in place in device memory on "), 1) << b.Log();
+      }
+    }
     const std::vector<v1::PageHandle> first(dst.begin(), dst.begin() + 8);
-    EXPECT_TRUE(ReadUntilZero(b, "dst", first, 12) == std::string(8 * 3 * 64 * 528, '\0'));
+    EXPECT_TRUE(ReadUntilZero(b, "dst", first, 12) ==
+                std::string(static_cast<size_t>(8 * layers * 64 * 528), '\0'));
     // Not held any more: a write of one of them commits without waiting for anything.
     EXPECT_TRUE(WriteCommitsAtOnce(b, "dst", dst[0], 10, 5));
     EXPECT_TRUE(b.Alive());
@@ -1267,30 +1285,39 @@ TEST(TransferDeviceMemoryTest, GpuPoolsLeaveAndLandInDeviceMemoryByteForByte) {
       EXPECT_EQ(ReadAll(b, "to.host", host_dst), golden);
     }
     // With cuda_ipc every push between GPU pools that sent bytes left from device memory
-    // (per layout: the push and the transcoded push; the refused one ended before) and every
-    // one that landed went through device staging; the two pushes to or from a cpu pool
-    // did neither.
+    // (per layout: the push and the transcoded push; the refused one ended before). The
+    // push into the reversed pages went through device staging (its message spans pages
+    // that are not one run of the pool); the transcoded push and the pull, into a fresh
+    // pool's pages in order, landed in place in device memory. The two pushes to or from a
+    // cpu pool did neither.
     const bool direct = transports.find("cuda_ipc") != std::string::npos;
     EXPECT_EQ(count(a, " from device memory:"), direct ? 2 * 3 : 0) << a.Log();
-    EXPECT_EQ(count(b, " through device staging,"), direct ? 2 * 3 : 0) << b.Log();
+    EXPECT_EQ(count(b, "push received: "), 2 * 3 + 2) << b.Log();
+    EXPECT_EQ(count(b, " through device staging, "), direct ? 3 : 0) << b.Log();
+    EXPECT_EQ(count(b, " in place in device memory, "), direct ? 3 : 0) << b.Log();
+    EXPECT_EQ(count(a, "pull received: "), 3) << a.Log();
+    EXPECT_EQ(count(a, " in place in device memory; "), direct ? 3 : 0) << a.Log();
     EXPECT_EQ(count(b, " bytes in place, "), 1) << b.Log();
     // On one lane, though each daemon has as many as its cores give (the first push was
     // offered on all of them, the source not knowing yet that the peer shares its host).
     if (direct) {
-      int device_staged = 0, on_one_lane = 0;
+      int in_device_memory = 0, on_one_lane = 0;
       std::istringstream lines(b.Log());
       for (std::string line; std::getline(lines, line);) {
-        if (line.find(" through device staging, ") == std::string::npos) continue;
-        ++device_staged;
+        if (line.find("push received: ") == std::string::npos ||
+            (line.find(" through device staging, ") == std::string::npos &&
+             line.find(" in place in device memory, ") == std::string::npos)) {
+          continue;
+        }
+        ++in_device_memory;
         if (line.find("; 1 lane(s))") != std::string::npos) ++on_one_lane;
       }
-      EXPECT_EQ(device_staged, 2 * 3) << b.Log();
-      EXPECT_EQ(on_one_lane, device_staged) << b.Log();
+      EXPECT_EQ(in_device_memory, 2 * 3) << b.Log();
+      EXPECT_EQ(on_one_lane, in_device_memory) << b.Log();
     }
     // Without cuda_ipc the bytes land in host staging, each message copied on to the device
     // as it arrived (with it too, those from the cpu pool).
-    EXPECT_EQ(count(b, "copied to the device as it arrived"), direct ? 1 : 2 * 3 + 1) << b.Log();
-    EXPECT_EQ(count(b, "push received:"), 2 * 3 + 2) << b.Log();
+    EXPECT_EQ(count(b, "copied to the device as it arrived, "), direct ? 1 : 2 * 3 + 1) << b.Log();
   }
 }
 
