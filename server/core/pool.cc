@@ -234,19 +234,22 @@ absl::Status Pool::FreePages(std::span<const PageHandle> pages) {
   return ZeroAndReclaim(std::move(to_zero));
 }
 
+absl::Status Pool::ZeroListedPages(PageCopyGeometry geometry, std::span<const int64_t> ids) {
+  const size_t id_bytes = ids.size() * sizeof(int64_t);
+  KVF_ASSIGN_OR_RETURN(Buffer listed, backend_->Allocate(id_bytes, MemoryKind::kDevice, false));
+  PageCopyParams zero;
+  zero.geometry = geometry;
+  zero.pool = base();
+  zero.pages = listed.get<int64_t>();
+  zero.num_listed = static_cast<int64_t>(ids.size());
+  const Op ops[] = {CopyOp{listed.get(), ids.data(), id_bytes}, ZeroPagesOp{zero}};
+  return RunTimed("zero_pages", ops);
+}
+
 absl::Status Pool::ZeroAndReclaim(std::vector<int64_t> pages) {
   if (pages.empty()) return absl::OkStatus();
-  const absl::Status zeroed = [&]() -> absl::Status {
-    const size_t id_bytes = pages.size() * sizeof(int64_t);
-    KVF_ASSIGN_OR_RETURN(Buffer ids, backend_->Allocate(id_bytes, MemoryKind::kDevice, false));
-    PageCopyParams zero;
-    zero.geometry = PageCopyGeometry{geometry().page_bytes(), config_.num_pages, config_.num_layers};
-    zero.pool = base();
-    zero.pages = ids.get<int64_t>();
-    zero.num_listed = static_cast<int64_t>(pages.size());
-    const Op ops[] = {CopyOp{ids.get(), pages.data(), id_bytes}, ZeroPagesOp{zero}};
-    return RunTimed("zero_pages", ops);
-  }();
+  const absl::Status zeroed = ZeroListedPages(
+      PageCopyGeometry{geometry().page_bytes(), config_.num_pages, config_.num_layers}, pages);
   if (!zeroed.ok()) {
     table_.ZeroingFailed(pages);
     return WithReason(zeroed, ErrorReason::kDeviceError);

@@ -94,6 +94,9 @@ class Pool : public std::enable_shared_from_this<Pool> {
   }
   // Submit + Wait, reporting the wall time under `op` to the observer.
   absl::Status RunTimed(const char* op, std::span<const Op> ops);
+  // Zeroes the pages `ids` of `geometry` (the pool's pages, every layer of each, or
+  // flat_pages()), the ids first copied to where the backend reads them.
+  absl::Status ZeroListedPages(PageCopyGeometry geometry, std::span<const int64_t> ids);
   void ObserveOp(const char* op, double seconds) const;
   // Releases a pin (see PageTable::Unpin) and zeroes pages whose reclaim waited for it.
   void Unpin(const PageTable::Pin& pin, int written_layer = -1,

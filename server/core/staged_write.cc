@@ -426,22 +426,9 @@ StagedWrite::~StagedWrite() {
     pool_->owner()->Refund(Resource::kStagedWriteBytes, records_charged_);
   }
   if (!in_place_pin_) return;
-  // The pairs held no record when the write began: zero is what they held. The page ids
-  // go where the backend reads them (device memory for a GPU pool), as the pool's zeroing.
+  // The pairs held no record when the write began: zero is what they held.
   const std::vector<int64_t> ids = Columns().flat_ids;
-  const absl::Status zeroed = [&]() -> absl::Status {
-    const size_t id_bytes = ids.size() * sizeof(int64_t);
-    KVF_ASSIGN_OR_RETURN(Buffer on_backend,
-                         pool_->backend().Allocate(id_bytes, MemoryKind::kDevice, false));
-    PageCopyParams zero;
-    zero.geometry = pool_->flat_pages();
-    zero.pool = pool_->base();
-    zero.pages = on_backend.get<int64_t>();
-    zero.num_listed = static_cast<int64_t>(ids.size());
-    const Op ops[] = {CopyOp{on_backend.get(), ids.data(), id_bytes}, ZeroPagesOp{zero}};
-    return pool_->RunTimed("zero_pages", ops);
-  }();
-  if (!zeroed.ok()) {
+  if (const absl::Status zeroed = pool_->ZeroListedPages(pool_->flat_pages(), ids); !zeroed.ok()) {
     log::Error("pool '{}': {} pages written in place by a write that did not commit could not "
                "be zeroed again: {}", pool_->config().name, ids.size(), zeroed.ToString());
   }

@@ -874,7 +874,8 @@ absl::Status TransferEngine::Serve(
       KVF_ASSIGN_OR_RETURN(const int64_t committed, receiving->Commit());
       log::Debug("push received: {} bytes{}, {:.3f} ms (staging and receives posted {:.3f}, "
                  "bytes {:.3f}, commit {:.3f}; {} lane(s))",
-                 receiving->bytes, receiving->Path(), log::Millis(t0, Clock::now()), log::Millis(t0, posted),
+                 receiving->bytes, receiving->Path(), log::Millis(t0, Clock::now()),
+                 log::Millis(t0, posted),
                  log::Millis(posted, received), log::Millis(received, Clock::now()),
                  receiving->lanes);
       bytes = static_cast<uint64_t>(receiving->bytes);
