@@ -187,6 +187,9 @@ class Backend {
   virtual absl::Status BindThread() { return absl::OkStatus(); }
   // Bytes of device memory that an Allocate could still get, as the device reports it.
   virtual absl::StatusOr<uint64_t> FreeBytes() = 0;
+  // Waits until every operation this process queued on the device has ended, whoever queued
+  // it (a transport's copies on its own streams among them); nothing on cpu.
+  virtual absl::Status SynchronizeDevice() { return absl::OkStatus(); }
 
   // `bytes` of memory of `kind`, zero-filled when `zero` (else contents are unspecified).
   // RESOURCE_EXHAUSTED (reason DEVICE_OUT_OF_MEMORY) when it does not fit.

@@ -257,6 +257,11 @@ class CudaBackend final : public Backend {
   const std::string& device() const override { return device_; }
   absl::Status BindThread() override { return UseDevice(); }
 
+  absl::Status SynchronizeDevice() override {
+    KVF_RETURN_IF_ERROR(UseDevice());
+    return DeviceStatus(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  }
+
   absl::StatusOr<uint64_t> FreeBytes() override {
     KVF_RETURN_IF_ERROR(UseDevice());
     size_t free_bytes = 0, total = 0;

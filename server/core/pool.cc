@@ -234,15 +234,25 @@ absl::Status Pool::FreePages(std::span<const PageHandle> pages) {
   return ZeroAndReclaim(std::move(to_zero));
 }
 
-absl::Status Pool::ZeroListedPages(PageCopyGeometry geometry, std::span<const int64_t> ids) {
-  const size_t id_bytes = ids.size() * sizeof(int64_t);
-  KVF_ASSIGN_OR_RETURN(Buffer listed, backend_->Allocate(id_bytes, MemoryKind::kDevice, false));
+absl::Status Pool::ZeroListedPages(PageCopyGeometry geometry, std::span<const int64_t> ids,
+                                   const Buffer* scratch) {
   PageCopyParams zero;
   zero.geometry = geometry;
   zero.pool = base();
-  zero.pages = listed.get<int64_t>();
   zero.num_listed = static_cast<int64_t>(ids.size());
-  const Op ops[] = {CopyOp{listed.get(), ids.data(), id_bytes}, ZeroPagesOp{zero}};
+  if (backend_->host_memory()) {
+    zero.pages = ids.data();
+    const Op op = ZeroPagesOp{zero};
+    return RunTimed("zero_pages", std::span<const Op>(&op, 1));
+  }
+  const size_t id_bytes = ids.size() * sizeof(int64_t);
+  Buffer allocated;
+  if (scratch == nullptr || scratch->bytes() < id_bytes) {
+    KVF_ASSIGN_OR_RETURN(allocated, backend_->Allocate(id_bytes, MemoryKind::kDevice, false));
+    scratch = &allocated;
+  }
+  zero.pages = scratch->get<int64_t>();
+  const Op ops[] = {CopyOp{scratch->get(), ids.data(), id_bytes}, ZeroPagesOp{zero}};
   return RunTimed("zero_pages", ops);
 }
 

@@ -95,8 +95,11 @@ class Pool : public std::enable_shared_from_this<Pool> {
   // Submit + Wait, reporting the wall time under `op` to the observer.
   absl::Status RunTimed(const char* op, std::span<const Op> ops);
   // Zeroes the pages `ids` of `geometry` (the pool's pages, every layer of each, or
-  // flat_pages()), the ids first copied to where the backend reads them.
-  absl::Status ZeroListedPages(PageCopyGeometry geometry, std::span<const int64_t> ids);
+  // flat_pages()). A host memory backend reads the ids where they are; elsewhere they are
+  // first copied into device memory: `scratch` when given (at least the ids' bytes, kept by
+  // a caller that must not fail on an allocation), else memory allocated here.
+  absl::Status ZeroListedPages(PageCopyGeometry geometry, std::span<const int64_t> ids,
+                               const Buffer* scratch = nullptr);
   void ObserveOp(const char* op, double seconds) const;
   // Releases a pin (see PageTable::Unpin) and zeroes pages whose reclaim waited for it.
   void Unpin(const PageTable::Pin& pin, int written_layer = -1,

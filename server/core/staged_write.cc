@@ -351,18 +351,33 @@ absl::Status StagedWrite::ReservePages(std::span<const PageHandle> pages,
   }
   if (in_place && (pool_->backend().host_memory() ||
                    (device_staging() && MessagesLandInOneRun(in_place_message_bytes)))) {
-    KVF_ASSIGN_OR_RETURN(PageTable::Pin pin, pool_->table().PinPages(pages, true));
-    bool fresh = true;
-    for (int64_t layer : layers) {
+    // Pages another write holds now are not waited for: they are staged, and the commit
+    // waits for that write instead (the transfer's bytes move meanwhile).
+    absl::StatusOr<PageTable::Pin> pin = pool_->table().PinPages(pages, true, absl::ZeroDuration());
+    if (!pin.ok() && ReasonOf(pin.status()) != ErrorReason::kPagesBusy) return pin.status();
+    bool fresh = pin.ok();
+    for (size_t l = 0; fresh && l < layers.size(); ++l) {
       const std::vector<uint8_t> held =
-          pool_->table().PagesWithRecords(static_cast<int>(layer), pin.pages);
-      fresh = fresh && std::none_of(held.begin(), held.end(), [](uint8_t h) { return h != 0; });
+          pool_->table().PagesWithRecords(static_cast<int>(layers[l]), pin->pages);
+      fresh = std::none_of(held.begin(), held.end(), [](uint8_t h) { return h != 0; });
+    }
+    if (fresh && !pool_->backend().host_memory()) {
+      // Where the rollback's zeroing reads the page ids on the device, taken now: undoing a
+      // write in place must not depend on an allocation succeeding later.
+      absl::StatusOr<Buffer> ids =
+          pool_->backend().Allocate(static_cast<size_t>(units) * sizeof(int64_t),
+                                    MemoryKind::kDevice, false);
+      if (!ids.ok()) {
+        pool_->Unpin(*pin);
+        return ids.status();
+      }
+      rollback_ids_ = *std::move(ids);
     }
     if (fresh) {
-      in_place_pin_ = std::move(pin);
+      in_place_pin_ = *std::move(pin);
       return absl::OkStatus();
     }
-    pool_->Unpin(pin);
+    if (pin.ok()) pool_->Unpin(*pin);
   }
   // One reservation for the whole stream: page i at i * page_bytes, as listed above.
   KVF_ASSIGN_OR_RETURN(const int64_t start, arena_.Reserve(units * page_bytes));
@@ -426,9 +441,12 @@ StagedWrite::~StagedWrite() {
     pool_->owner()->Refund(Resource::kStagedWriteBytes, records_charged_);
   }
   if (!in_place_pin_) return;
-  // The pairs held no record when the write began: zero is what they held.
+  // The pairs held no record when the write began: zero is what they held. On a device, the
+  // transport's own copies into them (UCX's, on its streams) have ended first.
   const std::vector<int64_t> ids = Columns().flat_ids;
-  if (const absl::Status zeroed = pool_->ZeroListedPages(pool_->flat_pages(), ids); !zeroed.ok()) {
+  absl::Status zeroed = pool_->backend().SynchronizeDevice();
+  if (zeroed.ok()) zeroed = pool_->ZeroListedPages(pool_->flat_pages(), ids, &rollback_ids_);
+  if (!zeroed.ok()) {
     log::Error("pool '{}': {} pages written in place by a write that did not commit could not "
                "be zeroed again: {}", pool_->config().name, ids.size(), zeroed.ToString());
   }

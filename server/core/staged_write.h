@@ -231,6 +231,8 @@ class StagedWrite {
   absl::flat_hash_map<std::pair<uint64_t, int>, size_t> page_index_;
   // In place: the pages' pin, held until the commit or the end of the write.
   std::optional<PageTable::Pin> in_place_pin_;
+  // In place on a device: room for the page ids the rollback zeroes (see ReservePages).
+  Buffer rollback_ids_;
 
   // Device mirror (PrepareDeviceMirror): [page bytes | flat page ids at mirror_ids_at_], the
   // bytes copied so far, and the copies not yet waited for. Declared after the arena and the

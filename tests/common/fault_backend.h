@@ -21,6 +21,8 @@ class FaultBackend final : public server::Backend {
     events_ = 0;
     fail_at_ = n;
   }
+  // While on, every Allocate fails (a device with no memory left); ops still run.
+  void FailAllocations(bool on) { fail_allocations_ = on; }
   int64_t events() const { return events_; }
   bool fired() const { return fired_; }
 
@@ -29,7 +31,7 @@ class FaultBackend final : public server::Backend {
 
   absl::StatusOr<server::Buffer> Allocate(size_t bytes, server::MemoryKind kind,
                                           bool zero) override {
-    if (Fire()) {
+    if (Fire() || fail_allocations_) {
       return server::Error(absl::StatusCode::kResourceExhausted,
                            server::ErrorReason::kDeviceOutOfMemory, "injected allocation failure");
     }
@@ -66,6 +68,7 @@ class FaultBackend final : public server::Backend {
   std::atomic<int64_t> events_{0};
   std::atomic<int64_t> fail_at_{0};
   std::atomic<bool> fired_{false};
+  std::atomic<bool> fail_allocations_{false};
 };
 
 }  // namespace kvferry::testing

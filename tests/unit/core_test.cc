@@ -1,6 +1,8 @@
 // The core in process, on the cpu backend: page table, staged writes, readers, the pool
 // manager, and every failure of a fault-injecting backend leaving the pool as it was.
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <random>
 #include <set>
@@ -759,6 +761,45 @@ TEST(CoreWriteTest, AWriteInPlaceWhosePageWasFreedCommitsNothing) {
   EXPECT_EQ(after.pages_used, 1);
 }
 
+// A transfer into pages another write holds does not wait for it at the reserve (a transfer
+// received in place holds its pages for as long as UCX may write them): its bytes are
+// staged, and its commit waits for that write, then lands them.
+TEST(CoreWriteTest, ATransferIntoPagesAnotherWriteHoldsIsStagedAndCommitsAfterIt) {
+  auto pool = MakePool(Layout::kV41, 16, 4, 2);
+  const auto h = *pool->AllocatePages(2);
+  const int64_t page_bytes = pool->geometry().page_bytes();
+  const std::vector<int64_t> layers = {1};
+  PageTable::Pin holder = *pool->table().PinPages(h, /*exclusive=*/true);
+  auto w = *StagedWrite::ForPages(pool, Layout::kV41, WriteLimits{});
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE(w->ReservePages(h, layers, /*in_place=*/true).ok());
+  // Not a speed check: a reserve that waited for the holder would take the writers' bound.
+  EXPECT_LT(absl::Now() - start, PageTable::kWriterWait / 2) << "the reserve waited for the holder";
+  EXPECT_FALSE(w->in_place());
+  EXPECT_EQ(w->staged_bytes(), 2 * page_bytes);
+  std::vector<uint8_t> bytes(static_cast<size_t>(2 * page_bytes));
+  std::mt19937 rng(5);
+  for (uint8_t& b : bytes) b = static_cast<uint8_t>(rng() | 1);
+  size_t from = 0;
+  for (std::span<uint8_t> piece : w->StagingPieces(0, 2 * page_bytes)) {
+    std::memcpy(piece.data(), bytes.data() + from, piece.size());
+    from += piece.size();
+  }
+  w->MarkReceived();
+  std::atomic<bool> released{false};
+  std::thread other([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    released = true;
+    pool->Unpin(holder);
+  });
+  const absl::StatusOr<int64_t> committed = w->Commit();
+  EXPECT_TRUE(released) << "the commit did not wait for the write that held the pages";
+  other.join();
+  ASSERT_TRUE(committed.ok()) << committed.status();
+  EXPECT_EQ(*committed, 2);
+  EXPECT_EQ(*Drain(ReadPages(pool, h, layers, std::nullopt, 1 << 20)), bytes);
+}
+
 // ---- device failures ---------------------------------------------------------------------------
 
 // Runs `op` with the Nth backend event failing, for N = 1, 2, ... until it succeeds without a
@@ -836,6 +877,34 @@ TEST(CoreFaultTest, AWriteMirroredToTheDeviceMessageByMessageLandsTheSameBytes) 
   auto w = *StagedWrite::ForPages(cpu, Layout::kV41, WriteLimits{});
   ASSERT_TRUE(w->ReservePages(c, std::vector<int64_t>{0}, /*in_place=*/false).ok());
   EXPECT_FALSE(*w->PrepareDeviceMirror());
+}
+
+// A transfer received in place into a pool in device memory (here a host backend that says
+// it is not one) that does not commit is undone even when the device has no memory left by
+// then (a common reason for a transfer to fail): the rollback's zeroing needs no allocation.
+TEST(CoreFaultTest, AWriteInPlaceOnTheDeviceIsUndoneWithNoMemoryLeft) {
+  auto fault = std::make_shared<testing::FaultBackend>(MakeCpuBackend());
+  auto pool = MakePool(Layout::kV4, 16, 8, 1, fault);
+  const auto h = *pool->AllocatePages(8);
+  const int64_t page_bytes = pool->geometry().page_bytes();
+  const Snapshot empty = Take(*pool);
+  auto w = *StagedWrite::ForPages(pool, Layout::kV4, WriteLimits{}, StagingArena::kChunkBytes,
+                                  /*device_staging=*/true);
+  ASSERT_TRUE(w->ReservePages(h, std::vector<int64_t>{0}, /*in_place=*/true, 4 * page_bytes).ok());
+  ASSERT_TRUE(w->in_place());
+  for (std::span<uint8_t> piece : w->StagingPieces(0, 8 * page_bytes)) {
+    std::memset(piece.data(), 0x5A, piece.size());
+  }
+  ASSERT_FALSE(Take(*pool) == empty);
+  fault->FailAllocations(true);
+  w.reset();
+  fault->FailAllocations(false);
+  EXPECT_TRUE(Take(*pool) == empty) << "the bytes landed in place were not zeroed again";
+  // And the pages take the next write in place.
+  auto next = *StagedWrite::ForPages(pool, Layout::kV4, WriteLimits{}, StagingArena::kChunkBytes,
+                                     /*device_staging=*/true);
+  ASSERT_TRUE(next->ReservePages(h, std::vector<int64_t>{0}, /*in_place=*/true, 4 * page_bytes).ok());
+  EXPECT_TRUE(next->in_place());
 }
 
 TEST(CoreFaultTest, EveryAllocationCopyAndOpFailureOfAWriteLeavesThePoolAsItWas) {
