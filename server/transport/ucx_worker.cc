@@ -113,6 +113,30 @@ void SetMemh(ucp_request_param_t& param, ucp_mem_h memh) {
   param.memh = memh;
 }
 
+// Memory that a UCX callback lets go of last (an abandoned transfer's: a write's rollback,
+// which zeroes pages on the device; a deleted pool's memory and its UCX registration) must
+// not end inside UCX's callback, where UCX still holds the request: the callback hands the
+// drop here, and its lane's progress loop runs it once the UCX call returned (Loop). On any
+// other thread it runs at once.
+thread_local std::vector<std::function<void()>>* t_after_callbacks = nullptr;
+
+void AfterCallbacks(std::function<void()> fn) {
+  if (t_after_callbacks != nullptr) {
+    t_after_callbacks->push_back(std::move(fn));
+  } else {
+    fn();
+  }
+}
+
+// Runs what callbacks handed over (AfterCallbacks), including what those drops hand over.
+void RunAfterCallbacks(std::vector<std::function<void()>>& after) {
+  while (!after.empty()) {
+    std::vector<std::function<void()>> now;
+    now.swap(after);
+    for (std::function<void()>& fn : now) fn();
+  }
+}
+
 // What a UCX callback gets as user data: its group and the message index.
 struct RequestContext {
   std::shared_ptr<Group> group;
@@ -145,15 +169,19 @@ void OnReceive(void* request, ucs_status_t status, const ucp_tag_recv_info_t* in
       last = true;
     }
   }
-  // Dropped before anyone waiting in Abandon can see it: that waiter may hold the other
-  // reference, and the memory's owner must end on its thread, not on this one.
-  release.reset();
-  if (last) {
-    std::lock_guard lock(g.mu);
-    g.released = true;
-  }
   g.cv.notify_all();
   ucp_request_free(request);
+  if (!last) return;
+  // Dropped before anyone waiting in Abandon can see it: that waiter may hold the other
+  // reference, and the memory's owner must end on its thread, not on this one.
+  AfterCallbacks([group = ctx->group, release = std::move(release)]() mutable {
+    release.reset();
+    {
+      std::lock_guard lock(group->mu);
+      group->released = true;
+    }
+    group->cv.notify_all();
+  });
 }
 
 void OnSend(void* request, ucs_status_t status, void* user_data) {
@@ -168,9 +196,9 @@ void OnSend(void* request, ucs_status_t status, void* user_data) {
     g.MarkSent(ctx->index);
     if (g.inflight == 0 && g.abandoned) release = std::move(g.keep_alive);
   }
-  release.reset();
   g.cv.notify_all();
   ucp_request_free(request);
+  if (release != nullptr) AfterCallbacks([release = std::move(release)]() mutable { release.reset(); });
 }
 
 // Progress thread of `lane`: marks the group abandoned and cancels its receives still posted
@@ -630,6 +658,8 @@ UcxWorker::~UcxWorker() {
 }
 
 void UcxWorker::Loop(State& st) {
+  std::vector<std::function<void()>> after;
+  t_after_callbacks = &after;
   for (;;) {
     std::deque<std::function<void()>> tasks;
     bool stop = false;
@@ -643,6 +673,7 @@ void UcxWorker::Loop(State& st) {
     }
     st.Reap();
     st.RetireEnded();
+    RunAfterCallbacks(after);
     if (stop) {
       // Cancel what is still posted, close every endpoint, and progress until UCX is done.
       for (const auto& g : st.receives) CancelReceives(st.worker, *g, st.lane);
@@ -655,7 +686,10 @@ void UcxWorker::Loop(State& st) {
       while ((!st.closing.empty() || !st.receives.empty()) && absl::Now() < give_up) {
         ucp_worker_progress(st.worker);
         st.Reap();
+        RunAfterCallbacks(after);
       }
+      RunAfterCallbacks(after);
+      t_after_callbacks = nullptr;
       return;
     }
     // Endpoints the error handler marked: close them (their requests complete in error).
@@ -664,6 +698,7 @@ void UcxWorker::Loop(State& st) {
       if (!e->error.ok()) failed.push_back(e);
     }
     for (auto& e : failed) st.Close(e);
+    RunAfterCallbacks(after);
     {
       std::lock_guard lock(st.mu);
       if (!st.queue.empty() || st.stop) continue;
