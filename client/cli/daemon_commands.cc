@@ -12,10 +12,12 @@
 #include <random>
 #include <set>
 #include <sstream>
+#include <vector>
 
 #include <grpcpp/security/credentials.h>
 #include <unistd.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -61,10 +63,48 @@ KEYS.txt has one key per line (its bytes, without the newline). ROWS.bf16 holds,
 key in order and each layer of POOL, page_size bf16 rows of 512. --digest (decimal) is
 checked against the namespace's; without it the namespace's own is used. load writes bf16
 rows of one layer (--layer, default 0) or, with --records, the raw page records.
+
 PAGES.json is [{"page_id": .., "generation": ..}, ...]; a location in LOCS.i64 is
 i * page_size + slot, i indexing PAGES.json. Exit 0 on success, 2 on a usage error, 1 on
 an error (message on stderr).
 )";
+
+// The usage of one command (`command --help`): the global options, the command's own lines
+// of kUsage (each "  kvferry COMMAND ..." line and the deeper-indented lines under it), the
+// paragraphs of notes after the commands that begin with a file the command names, and the
+// last one (page files and exit codes). A word that names no command gets the whole usage.
+std::string CommandUsage(const std::string& command) {
+  const std::vector<absl::string_view> lines = absl::StrSplit(kUsage, '\n');
+  const std::string prefix = "  kvferry " + command + " ";
+  std::string head, own;
+  std::vector<std::string> notes(1);  // paragraphs, split at blank lines
+  bool in_commands = false, mine = false;
+  for (absl::string_view line : lines) {
+    if (absl::StartsWith(line, "  kvferry ")) {
+      in_commands = true;
+      mine = absl::StartsWith(line, prefix) || line == "  kvferry " + command;
+    } else if (!absl::StartsWith(line, "   ")) {
+      mine = false;
+      if (!in_commands) {
+        absl::StrAppend(&head, line, "\n");
+      } else if (line.empty()) {
+        if (!notes.back().empty()) notes.emplace_back();
+      } else {
+        absl::StrAppend(&notes.back(), line, "\n");
+      }
+      continue;
+    }
+    if (mine) absl::StrAppend(&own, line, "\n");
+  }
+  if (own.empty()) return kUsage;
+  if (notes.back().empty()) notes.pop_back();
+  std::string usage = head + own;
+  for (size_t i = 0; i < notes.size(); ++i) {
+    const absl::string_view first_word = absl::string_view(notes[i]).substr(0, notes[i].find(' '));
+    if (i + 1 == notes.size() || absl::StrContains(own, first_word)) usage += notes[i];
+  }
+  return usage;
+}
 
 // An error with its exit code.
 struct Failure {
@@ -836,7 +876,7 @@ int RunDaemonCommand(const std::vector<std::string>& args, std::ostream& out, st
     return f->code;
   }
   if (words.Has("help")) {
-    out << kUsage;
+    out << (words.positional().empty() ? std::string(kUsage) : CommandUsage(words.positional()[0]));
     return kExitOk;
   }
   client::ClientOptions options;

@@ -156,6 +156,21 @@ TEST_F(CliTest, ExitCodesSayUsageOrErrorAndMessagesNameTheReason) {
   r = Kvferry("pool --help");
   EXPECT_EQ(r.code, 0);
   EXPECT_NE(r.out.find("kvferry pool create NAME"), std::string::npos);
+  // A command's --help prints its own lines, the global options and the notes on files.
+  EXPECT_EQ(r.out.find("kvferry push"), std::string::npos) << r.out;
+  r = Kvferry("push p --help");
+  EXPECT_EQ(r.code, 0);
+  for (const char* part : {"global options: --target", "kvferry push POOL --pages PAGES.json",
+                           "--to-pages PAGES2.json [--transcode-to LAYOUT]", "PAGES.json is"}) {
+    EXPECT_NE(r.out.find(part), std::string::npos) << part << " missing from\n" << r.out;
+  }
+  EXPECT_EQ(r.out.find("kvferry pull"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("kvferry pool"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("KEYS.txt"), std::string::npos) << r.out;  // a note on cache files
+  r = Kvferry("cache --help");
+  EXPECT_NE(r.out.find("[--salt S] [--max-blocks N]"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("KEYS.txt has one key per line"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("kvferry stats"), std::string::npos) << r.out;
   // No daemon there: health fails with exit 1.
   const std::string command = testing::CliPath() + " health --target 127.0.0.1:1 --timeout 2 > /dev/null 2>&1";
   const int status = std::system(command.c_str());
