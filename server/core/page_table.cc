@@ -130,7 +130,12 @@ absl::StatusOr<std::vector<int64_t>> PageTable::Free(std::span<const PageHandle>
 
 void PageTable::Reclaimed(std::span<const int64_t> pages) {
   kvferry::MutexLock lock(&mu_);
-  for (int64_t p : pages) {
+  // Pushed last first, so that the next allocation takes them in the order they were freed:
+  // a request's pages freed in order come back as the same runs of the pool (a transfer
+  // received in place in device memory needs each message's pages to be one run), not
+  // reversed.
+  for (auto it = pages.rbegin(); it != pages.rend(); ++it) {
+    const int64_t p = *it;
     pages_[p].state = State::kFree;
     --reclaiming_;
     free_list_.push_back(p);

@@ -63,7 +63,8 @@ class PageTable {
   // returned by the Unpin that releases them.
   absl::StatusOr<std::vector<int64_t>> Free(std::span<const PageHandle> pages)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Pages the caller zeroed (from Free or Unpin) go back to the free list.
+  // Pages the caller zeroed (from Free or Unpin) go back to the free list; the next
+  // allocation takes them in the order listed.
   void Reclaimed(std::span<const int64_t> pages) ABSL_LOCKS_EXCLUDED(mu_);
   // Pages whose zeroing failed: kept out of the free list until TakeUnzeroed hands them to
   // a caller that tries again.

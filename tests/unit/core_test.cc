@@ -4,6 +4,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <numeric>
 #include <random>
 #include <set>
 #include <thread>
@@ -118,6 +119,29 @@ TEST(PageTableTest, WritersOfOnePageTakeTurnsAndAFreeWakesAWaiterWithAnError) {
   table.Unpin(*first);
   second.join();
   EXPECT_EQ(ReasonOf(second_status), ErrorReason::kStalePageHandle);
+}
+
+// Pages freed together come back from the next allocation in the order they were freed: a
+// request's run of pages stays a run for the next request (a transfer lands in place in
+// device memory only where each message's pages are one run), not reversed.
+TEST(PageTableTest, PagesFreedTogetherAreAllocatedAgainInTheOrderFreed) {
+  auto pool = MakePool(Layout::kV41, 16, 64, 1);
+  const std::vector<PageHandle> first = *pool->AllocatePages(40);
+  auto ids = [](const std::vector<PageHandle>& pages) {
+    std::vector<uint64_t> v;
+    for (const PageHandle& p : pages) v.push_back(p.page_id);
+    return v;
+  };
+  std::vector<uint64_t> run(40);
+  std::iota(run.begin(), run.end(), 0);
+  ASSERT_EQ(ids(first), run);
+  ASSERT_TRUE(pool->FreePages(first).ok());
+  const std::vector<PageHandle> again = *pool->AllocatePages(40);
+  EXPECT_EQ(ids(again), run);
+  std::vector<PageHandle> shuffled = again;
+  std::shuffle(shuffled.begin(), shuffled.end(), std::mt19937(3));
+  ASSERT_TRUE(pool->FreePages(shuffled).ok());
+  EXPECT_EQ(ids(*pool->AllocatePages(40)), ids(shuffled));
 }
 
 // A writer does not wait for ever behind another: past its bound it is refused PAGES_BUSY
