@@ -442,11 +442,16 @@ StagedWrite::~StagedWrite() {
   }
   if (!in_place_pin_) return;
   // The pairs held no record when the write began: zero is what they held. On a device, the
-  // transport's own copies into them (UCX's, on its streams) have ended first.
+  // copies this process's transport queued into them (UCX's, on its own streams) have ended
+  // first. (A copy a peer process still runs into them after its transfer failed is beyond
+  // this process's reach.)
   const std::vector<int64_t> ids = Columns().flat_ids;
-  absl::Status zeroed = pool_->backend().SynchronizeDevice();
-  if (zeroed.ok()) zeroed = pool_->ZeroListedPages(pool_->flat_pages(), ids, &rollback_ids_);
-  if (!zeroed.ok()) {
+  if (const absl::Status synced = pool_->backend().SynchronizeDevice(); !synced.ok()) {
+    log::Error("pool '{}': waiting for the device before zeroing the pages of a write in place "
+               "that did not commit: {}", pool_->config().name, synced.ToString());
+  }
+  if (const absl::Status zeroed = pool_->ZeroListedPages(pool_->flat_pages(), ids, &rollback_ids_);
+      !zeroed.ok()) {
     log::Error("pool '{}': {} pages written in place by a write that did not commit could not "
                "be zeroed again: {}", pool_->config().name, ids.size(), zeroed.ToString());
   }

@@ -670,6 +670,7 @@ void UcxWorker::Loop(State& st) {
     }
     for (auto& task : tasks) task();
     while (ucp_worker_progress(st.worker) != 0) {
+      RunAfterCallbacks(after);  // a busy lane drops abandoned memory as it goes
     }
     st.Reap();
     st.RetireEnded();
