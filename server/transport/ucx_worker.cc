@@ -67,6 +67,16 @@ struct Group {
   void Fail(absl::Status s) {
     if (error.ok()) error = std::move(s);
   }
+  // Receives: drops the memory taken from keep_alive, then says so (`released`). In that
+  // order: a waiter in Abandon may hold the other reference.
+  void Release(std::shared_ptr<void> memory) {
+    memory.reset();
+    {
+      std::lock_guard lock(mu);
+      released = true;
+    }
+    cv.notify_all();
+  }
   // Waits until no request is in flight, an error, `cancelled`, or `idle` without progress.
   absl::Status Wait(absl::Duration idle, const UcxWorker::CancelCheck& cancelled,
                     absl::string_view what) {
@@ -172,15 +182,9 @@ void OnReceive(void* request, ucs_status_t status, const ucp_tag_recv_info_t* in
   g.cv.notify_all();
   ucp_request_free(request);
   if (!last) return;
-  // Dropped before anyone waiting in Abandon can see it: that waiter may hold the other
-  // reference, and the memory's owner must end on its thread, not on this one.
+  // The memory's owner must end on this lane's thread after the callback (AfterCallbacks).
   AfterCallbacks([group = ctx->group, release = std::move(release)]() mutable {
-    release.reset();
-    {
-      std::lock_guard lock(group->mu);
-      group->released = true;
-    }
-    group->cv.notify_all();
+    group->Release(std::move(release));
   });
 }
 
@@ -228,9 +232,7 @@ void ReleaseIfEnded(Group& g) {
     g.releasing = true;
     release = std::move(g.keep_alive);
   }
-  release.reset();  // before `released` says so: a waiter may hold the other reference
-  std::lock_guard lock(g.mu);
-  g.released = true;
+  g.Release(std::move(release));
 }
 
 // The transport resources the context selected, as UCX prints them ("resource 3 : md 2 dev 1
