@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <bit>
-#include <ranges>
 #include <utility>
 
 #include "absl/container/flat_hash_map.h"
@@ -135,7 +134,8 @@ void PageTable::Reclaimed(std::span<const int64_t> pages) {
   // a request's pages freed in order come back as the same runs of the pool (a transfer
   // received in place in device memory needs each message's pages to be one run), not
   // reversed.
-  for (const int64_t p : std::views::reverse(pages)) {
+  for (auto it = pages.rbegin(); it != pages.rend(); ++it) {
+    const int64_t p = *it;
     pages_[p].state = State::kFree;
     --reclaiming_;
     free_list_.push_back(p);
