@@ -5,8 +5,10 @@
 //
 // Usage: transfer_bench [--device cpu|cuda:N] [--peer-device D] [--transports tcp;tcp,cma]
 //                       [--reps N] [--perftest PATH] [--message-bytes N] [--cpu-threads N]
-//                       [--sizes-mib 64,1024] [--daemon-arg FLAG]...   (e.g. --daemon-arg --log_level=debug: the
+//                       [--sizes-mib 64,1024] [--layers N] [--daemon-arg FLAG]...   (e.g. --daemon-arg --log_level=debug: the
 //                                                 daemons' phase timings of each transfer)
+// --layers N: pools of N layers, every layer pushed (the same bytes in N times fewer pages;
+// a multi-layer transfer into a GPU pool lands in device staging, then a scatter).
 // Prints one line per (transport, size): GB/s of Push, of ReadPages, the ceiling, and the
 // ratio. GB = 1e9 bytes. For cuda pools it also measures, in the same run, the issue's other
 // ceiling of GPU pools: pinned host <-> device copies (cudaMemcpy of 256 MiB, the slower
@@ -124,6 +126,7 @@ int main(int argc, char** argv) {
   const std::string message_bytes = Arg(argc, argv, "message-bytes", "8388608");
   // Workers of each daemon's cpu backend (0: the usable cores).
   const std::string cpu_threads = Arg(argc, argv, "cpu-threads", "0");
+  const int layers = std::max(1, std::atoi(Arg(argc, argv, "layers", "1").c_str()));
   std::vector<std::string> transports;
   {
     std::string list = Arg(argc, argv, "transports", "tcp;tcp,cma");
@@ -161,11 +164,11 @@ int main(int argc, char** argv) {
     setenv("KVFERRY_TEST_DEVICE", peer_device.c_str(), 1);
     Daemon b(flags);
     for (const int64_t bytes : sizes) {
-      const int64_t n = bytes / page_bytes;
+      const int64_t n = bytes / (page_bytes * layers);
       setenv("KVFERRY_TEST_DEVICE", device.c_str(), 1);
-      kvferry::testing::CreatePool(a, "src", kvferry::Layout::kV41, kPageSize, n);
+      kvferry::testing::CreatePool(a, "src", kvferry::Layout::kV41, kPageSize, n, layers);
       setenv("KVFERRY_TEST_DEVICE", peer_device.c_str(), 1);
-      kvferry::testing::CreatePool(b, "dst", kvferry::Layout::kV41, kPageSize, n);
+      kvferry::testing::CreatePool(b, "dst", kvferry::Layout::kV41, kPageSize, n, layers);
       const auto src = Allocate(a, "src", n);
       auto dst = Allocate(b, "dst", n);
       v1::PushRequest req;
@@ -212,12 +215,12 @@ int main(int argc, char** argv) {
         if (!kvferry::testing::ReadPages(a, "src", src, &out).ok()) return 1;
         grpc_best = std::min(grpc_best, Now() - start);
       }
-      const double moved = static_cast<double>(n * page_bytes);
+      const double moved = static_cast<double>(n * page_bytes * layers);
       const double gbs = moved / best / 1e9;
       std::printf(
-          "transport=%s device=%s->%s bytes=%.0f push=%.2f GB/s (%.1f ms) grpc_readpages=%.2f GB/s "
+          "transport=%s device=%s->%s layers=%d bytes=%.0f push=%.2f GB/s (%.1f ms) grpc_readpages=%.2f GB/s "
           "ceiling(ucx_perftest tag_bw 4MiB)=%.2f GB/s ratio=%.0f%%\n",
-          t.c_str(), device.c_str(), peer_device.c_str(), moved, gbs, best * 1e3,
+          t.c_str(), device.c_str(), peer_device.c_str(), layers, moved, gbs, best * 1e3,
           moved / grpc_best / 1e9, ceiling, ceiling > 0 ? 100.0 * gbs / ceiling : 0.0);
       if (copy > 0) {
         const double issue = std::min(ceiling, copy);
