@@ -728,38 +728,21 @@ void QuantizeRow(Layout layout, const uint16_t* row, uint8_t* data, uint8_t* sca
   std::memcpy(scale, scale_row, GetLayoutInfo(layout).scale_bytes);
 }
 
-// A block-by-block store requests the next block's rows while it works on this one: row i
-// of the next block while row i of this one is scaled (its first half) and coded (its second
-// half), into L2. Asking for all 16 lines of a row at once, into L1, left the core waiting
-// for fill buffers with its coding stalled behind them: split over both passes, an Intel
-// core's store of rows out of DRAM took ~10 % less time (bench/RESULTS.md).
-constexpr int kNextRowSplit = kBf16RowBytes / 2;
-
-HWY_INLINE void PrefetchRowBytes(const uint16_t* row, int from, int to) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int b = from; b < to; b += 64) __builtin_prefetch(p + b, 0, 1);
-}
-
-// ScaleRows; row i of `next` (`next_count` rows) is requested as above.
-bool ScaleRowsPrefetching(Layout layout, const uint16_t* rows, int64_t count, uint8_t* scales,
-                          const uint16_t* next, int64_t next_count) {
+bool ScaleRowsImpl(Layout layout, const uint16_t* rows, int64_t count, uint8_t* scales) {
   const Fp4Tables& tables = Fp4Tables::Get();
   const int scale_bytes = GetLayoutInfo(layout).scale_bytes;
   bool finite = true;
   for (int64_t i = 0; i < count; ++i) {
-    if (i < next_count) PrefetchRowBytes(next + i * kHeadDim, 0, kNextRowSplit);
     finite &= ScaleRow(layout, rows + i * kHeadDim, scales + i * scale_bytes, tables);
   }
   return finite;
 }
 
-bool ScaleRowsImpl(Layout layout, const uint16_t* rows, int64_t count, uint8_t* scales) {
-  return ScaleRowsPrefetching(layout, rows, count, scales, nullptr, 0);
-}
-
-// EncodeRows; while row i is coded, the second half of row i of `next` (the next block's
-// rows, `next_count` of them) is requested from memory, so a block-by-block store keeps
-// DRAM busy while it codes.
+// EncodeRows; while row i is coded, row i of `next` (the next block's rows, `next_count` of
+// them) is requested from memory, so a block-by-block store keeps DRAM busy while it codes.
+// Into L2 (it is read a block later): on two Intel cores that did as well as into L1 or
+// better, and splitting the request between the scale and coding passes did worse on one of
+// them (bench/RESULTS.md).
 void EncodeRowsPrefetching(const PoolGeometry& geometry, const uint16_t* rows,
                            const uint8_t* scales, const int64_t* locs, int64_t count,
                            uint8_t* pool, bool stream, const uint16_t* next, int64_t next_count) {
@@ -768,7 +751,10 @@ void EncodeRowsPrefetching(const PoolGeometry& geometry, const uint16_t* rows,
   const int data_bytes = static_cast<int>(locate.data_bytes);
   const int scale_bytes = static_cast<int>(locate.scale_bytes);
   for (int64_t i = 0; i < count; ++i) {
-    if (i < next_count) PrefetchRowBytes(next + i * kHeadDim, kNextRowSplit, kBf16RowBytes);
+    if (i < next_count) {
+      const char* ahead = reinterpret_cast<const char*>(next + i * kHeadDim);
+      for (int b = 0; b < kBf16RowBytes; b += 64) __builtin_prefetch(ahead + b, 0, 1);
+    }
     if (i + kPrefetchRows < count) {
       const RecordOffsets ahead = locate(locs[i + kPrefetchRows]);
       if (stream) {
@@ -811,10 +797,9 @@ bool StoreCheckedRowsImpl(const PoolGeometry& geometry, const uint16_t* rows, co
   for (int64_t at = 0; at < count; at += kBlock) {
     const int64_t n = std::min(kBlock, count - at);
     const uint16_t* block = rows + at * kHeadDim;
-    const uint16_t* next = block + n * kHeadDim;
-    const int64_t next_count = std::min(kBlock, count - at - n);
-    if (!ScaleRowsPrefetching(geometry.layout, block, n, scales, next, next_count)) return false;
-    EncodeRowsPrefetching(geometry, block, scales, locs + at, n, pool, stream, next, next_count);
+    if (!ScaleRowsImpl(geometry.layout, block, n, scales)) return false;
+    EncodeRowsPrefetching(geometry, block, scales, locs + at, n, pool, stream,
+                          block + n * kHeadDim, std::min(kBlock, count - at - n));
   }
   return true;
 }
