@@ -241,6 +241,73 @@ HWY_INLINE bool CodeE4m3Tiles(const uint16_t* row, uint8_t* data, const uint8_t*
   return (hn::GetLane(hn::MinOfLanes(du, nearest)) >> 9) != 0;
 }
 
+#if HWY_ARCH_X86 && HWY_TARGET == HWY_AVX3_DL
+// CodeE4m3Tiles<..., kExact = false> where AVX-512 has VBMI, 64 values a step, each tile's
+// whole 64-byte line of codes in one store. On Intel cores only port 0 runs 512-bit shifts,
+// saturating subtractions and minima, and only port 5 shuffles; CodeE4m3Tiles' three shifts
+// a vector (the rounding bit, the code, the sign) and its clamp leave port 0 the bottleneck.
+// Here:
+// - the rounding bit is bit 4 of the input itself (the bias is a multiple of 128, and when
+//   t's low four bits exceed 8 the +7 has already carried), added by a masked add;
+// - the code, bits 4-11 of t + 7 + odd, is picked into a byte by vpmultishiftqb (port 5), two
+//   vectors' codes merged by a blend and put in order by one dword permute;
+// - the signs are the high bytes of the input, gathered by one two-source byte permute;
+// - no clamp at 0x7E: a tile's scale puts its amax at or below 448 (E4m3ScaleExponent), and
+//   the code of any value of the tile is at most the amax's (this encoder, like the other,
+//   is only given the scale row ScaleRow computed from the same row).
+// False if a lane is in the e4m3 subnormal range (as OutsideSubnormalRange).
+template <int kTile, int kTiles>
+HWY_INLINE bool CodeE4m3TilesVbmi(const uint16_t* row, uint8_t* data, const uint8_t* e) {
+  static_assert(kTile * kTiles % 64 == 0 && kTiles <= 16);
+  // Per tile, E4m3Bias's two constants twice in a 32-bit lane: broadcast from memory, a
+  // dword broadcast is a plain load, where one from a register would take port 5.
+  alignas(64) uint32_t normal[16], subnormal[16];
+  {
+    const __m512i e128 = _mm512_slli_epi32(
+        _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8((1u << kTiles) - 1, e)), 7);
+    const __m512i twice = _mm512_set1_epi32(0x10001);
+    _mm512_store_si512(normal, _mm512_mullo_epi32(
+                                   _mm512_sub_epi32(e128, _mm512_set1_epi32(7 * 128 + 7)), twice));
+    _mm512_store_si512(subnormal, _mm512_mullo_epi32(
+                                      _mm512_sub_epi32(e128, _mm512_set1_epi32(10 * 128)), twice));
+  }
+  // Without this the compiler keeps the arrays in registers and broadcasts on port 5.
+  asm("" : "+m"(normal), "+m"(subnormal));
+  const __m512i magnitude = _mm512_set1_epi16(0x7FFF), bit4 = _mm512_set1_epi16(0x10);
+  const __m512i one = _mm512_set1_epi16(1), sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  // Bytes 0-3 of each 64-bit lane: bits 4-11 of its four 16-bit lanes; bytes 4-7 the same.
+  const __m512i code_bits = _mm512_set1_epi64(0x3424140434241404);
+  // The blend leaves the first vector's 32-bit lane j at 2j and the second's at 2j + 1.
+  const __m512i in_order =
+      _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  // Byte j: the high byte of value j of the two vectors (bytes 2j + 1 of 128).
+  alignas(64) static constexpr uint8_t kHighBytes[64] = {
+      1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43,
+      45, 47, 49, 51, 53, 55, 57, 59, 61, 63, 65, 67, 69, 71, 73, 75, 77, 79, 81, 83, 85, 87,
+      89, 91, 93, 95, 97, 99, 101, 103, 105, 107, 109, 111, 113, 115, 117, 119, 121, 123, 125, 127};
+  const __m512i high_bytes = _mm512_load_si512(kHighBytes);
+  __m512i nearest = _mm512_set1_epi16(-1);
+  auto code = [&](__m512i bits, int t) HWY_ATTR {
+    const __m512i a = _mm512_and_si512(bits, magnitude);
+    const __m512i tb = _mm512_subs_epu16(a, _mm512_set1_epi32(static_cast<int>(normal[t])));
+    nearest = _mm512_min_epu16(
+        nearest, _mm512_sub_epi16(a, _mm512_set1_epi32(static_cast<int>(subnormal[t]))));
+    return _mm512_multishift_epi64_epi8(
+        code_bits, _mm512_mask_add_epi16(tb, _mm512_test_epi16_mask(bits, bit4), tb, one));
+  };
+#pragma GCC unroll 8
+  for (int i = 0; i < kTile * kTiles; i += 64) {
+    const __m512i first = _mm512_loadu_si512(row + i), second = _mm512_loadu_si512(row + i + 32);
+    const __m512i codes = _mm512_permutexvar_epi32(
+        in_order, _mm512_mask_blend_epi32(0xAAAA, code(first, i / kTile),
+                                          code(second, (i + 32) / kTile)));
+    const __m512i signs = _mm512_permutex2var_epi8(first, high_bytes, second);
+    _mm512_storeu_si512(data + i, _mm512_ternarylogic_epi32(codes, signs, sign, 0xF8));  // a | b & c
+  }
+  return _mm512_cmplt_epu16_mask(nearest, _mm512_set1_epi16(512)) == 0;
+}
+#endif
+
 // numerics::V4ScaleExponent and V41ScaleExponent of a tile whose amax has the bf16 magnitude
 // bits a = E << 7 | m, in integers: amax / 448 exceeds 2^k exactly when amax exceeds
 // 1.75 * 2^(k + 8), i.e. when E - 127 > k + 8 or E - 127 = k + 8 with m above 0x60 (1.75's
@@ -442,7 +509,11 @@ void EncodeE4m3Row(const uint16_t* row, const uint8_t* scale, uint8_t* data) {
   constexpr int kTiles = (kLayout == Layout::kV4 ? kNopeDim : kHeadDim) / kTile;
   // The fix is needed only for values some 2^14 below their tile's amax: rare in real rows,
   // so a row that has any is coded a second time, exactly.
+#if HWY_ARCH_X86 && HWY_TARGET == HWY_AVX3_DL
+  const bool exact = CodeE4m3TilesVbmi<kTile, kTiles>(row, data, scale);
+#else
   const bool exact = CodeE4m3Tiles<kTile, kTiles, /*kExact=*/false>(row, data, scale);
+#endif
   if (HWY_UNLIKELY(!exact)) CodeE4m3Tiles<kTile, kTiles, /*kExact=*/true>(row, data, scale);
   if constexpr (kLayout == Layout::kV4) {
     std::memcpy(data + kNopeDim, row + kNopeDim, kRopeDim * sizeof(uint16_t));
