@@ -67,6 +67,14 @@ HWY_INLINE void PrefetchRecord(const uint8_t* data, int data_bytes, const uint8_
   }
 }
 
+// The lines [from, to) of a bf16 row requested into L2 (the row is read a block later).
+// The coders that can spread these requests over their steps do (a row's 16 at once held
+// the core's fill buffers while the coding went on: bench/RESULTS.md); the others take
+// them all before the row.
+HWY_INLINE void RequestRowLines(const char* row, int from, int to) {
+  for (int line = from; line < to; ++line) __builtin_prefetch(row + line * 64, 0, 1);
+}
+
 // Copies `bytes` from a scratch record in L1 to dst, the whole 64-byte lines of dst with
 // non-temporal stores: a line written whole need not be read into the cache first, which
 // saves a DRAM read per written byte when the output is far larger than the caches. The
@@ -99,7 +107,8 @@ bool ScaleRow(Layout layout, const uint16_t* row, uint8_t* scale, const Fp4Table
   return std::none_of(row, row + kHeadDim, numerics::Bf16IsNonFinite);
 }
 void EncodeRow(Layout layout, const uint16_t* row, const uint8_t*, uint8_t* data,
-               const Fp4Tables&) {
+               const Fp4Tables&, const char* ahead) {
+  if (ahead != nullptr) RequestRowLines(ahead, 0, kBf16RowBytes / 64);
   uint8_t scale[kHeadDim / 16];
   reference::QuantizeRow(layout, row, data, scale);
 }
@@ -256,8 +265,10 @@ HWY_INLINE bool CodeE4m3Tiles(const uint16_t* row, uint8_t* data, const uint8_t*
 //   the code of any value of the tile is at most the amax's (this encoder, like the other,
 //   is only given the scale row ScaleRow computed from the same row).
 // False if a lane is in the e4m3 subnormal range (as OutsideSubnormalRange).
+// `ahead`, if not null: a row whose lines [0, kTile * kTiles / 32) are requested, two a step.
 template <int kTile, int kTiles>
-HWY_INLINE bool CodeE4m3TilesVbmi(const uint16_t* row, uint8_t* data, const uint8_t* e) {
+HWY_INLINE bool CodeE4m3TilesVbmi(const uint16_t* row, uint8_t* data, const uint8_t* e,
+                                  const char* ahead) {
   static_assert(kTile * kTiles % 64 == 0 && kTiles <= 16);
   // Per tile, E4m3Bias's two constants twice in a 32-bit lane: broadcast from memory, a
   // dword broadcast is a plain load, where one from a register would take port 5.
@@ -297,6 +308,7 @@ HWY_INLINE bool CodeE4m3TilesVbmi(const uint16_t* row, uint8_t* data, const uint
   };
 #pragma GCC unroll 8
   for (int i = 0; i < kTile * kTiles; i += 64) {
+    if (ahead != nullptr) RequestRowLines(ahead, i / 32, i / 32 + 2);
     const __m512i first = _mm512_loadu_si512(row + i), second = _mm512_loadu_si512(row + i + 32);
     const __m512i codes = _mm512_permutexvar_epi32(
         in_order, _mm512_mask_blend_epi32(0xAAAA, code(first, i / kTile),
@@ -502,16 +514,18 @@ bool ScaleRowT(const uint16_t* row, uint8_t* scale, const Fp4Tables& tables) {
 
 // V4 (NoPE tiles and the copied RoPE dims) and V41 codes of a finite row under its scale
 // row. The sign bit is copied, so -0 and negative values that round to zero give 0x80, as in
-// the reference.
+// the reference. `ahead`: a row to request (RequestRowLines), or null.
 template <Layout kLayout>
-void EncodeE4m3Row(const uint16_t* row, const uint8_t* scale, uint8_t* data) {
+void EncodeE4m3Row(const uint16_t* row, const uint8_t* scale, uint8_t* data, const char* ahead) {
   constexpr int kTile = GetLayoutInfo(kLayout).tile;
   constexpr int kTiles = (kLayout == Layout::kV4 ? kNopeDim : kHeadDim) / kTile;
   // The fix is needed only for values some 2^14 below their tile's amax: rare in real rows,
   // so a row that has any is coded a second time, exactly.
 #if HWY_ARCH_X86 && HWY_TARGET == HWY_AVX3_DL
-  const bool exact = CodeE4m3TilesVbmi<kTile, kTiles>(row, data, scale);
+  const bool exact = CodeE4m3TilesVbmi<kTile, kTiles>(row, data, scale, ahead);
+  if (ahead != nullptr) RequestRowLines(ahead, kTile * kTiles / 32, kBf16RowBytes / 64);
 #else
+  if (ahead != nullptr) RequestRowLines(ahead, 0, kBf16RowBytes / 64);
   const bool exact = CodeE4m3Tiles<kTile, kTiles, /*kExact=*/false>(row, data, scale);
 #endif
   if (HWY_UNLIKELY(!exact)) CodeE4m3Tiles<kTile, kTiles, /*kExact=*/true>(row, data, scale);
@@ -577,8 +591,9 @@ HWY_INLINE void EncodeFp4Tiles(const uint16_t* row, const uint8_t* scale, uint8_
 // three, and the sign one more. Four vectors'
 // codes become 64 bytes by a multiply-add of lane pairs (low + 16 * high) and two packs.
 // Written with intrinsics: Highway 1.0 has neither masked arithmetic nor a two-input pack.
+// `ahead`, if not null: a row requested four lines a step (RequestRowLines).
 HWY_INLINE void EncodeFp4RowAvx512(const uint16_t* row, const uint8_t* scale, uint8_t* data,
-                                   const Fp4Tables& tables) {
+                                   const Fp4Tables& tables, const char* ahead) {
   const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
   const __m512i negative_zero = _mm512_set1_epi16(static_cast<int16_t>(0x8000));
   const __m512i last_window = _mm512_set1_epi16(kFp4LastWindowEnd);
@@ -614,6 +629,7 @@ HWY_INLINE void EncodeFp4RowAvx512(const uint16_t* row, const uint8_t* scale, ui
     return _mm512_madd_epi16(code, low_high);
   };
   for (int t = 0; t < kHeadDim / 16; t += 8) {  // 8 tiles: 4 vectors, 64 bytes of codes
+    if (ahead != nullptr) RequestRowLines(ahead, t / 2, t / 2 + 4);
     const __m512i pairs[4] = {code_pairs(t), code_pairs(t + 2), code_pairs(t + 4),
                               code_pairs(t + 6)};
     const __m512i bytes = _mm512_packus_epi16(_mm512_packs_epi32(pairs[0], pairs[1]),
@@ -624,10 +640,11 @@ HWY_INLINE void EncodeFp4RowAvx512(const uint16_t* row, const uint8_t* scale, ui
 #endif
 
 void EncodeFp4Row(const uint16_t* row, const uint8_t* scale, uint8_t* data,
-                  const Fp4Tables& tables) {
+                  const Fp4Tables& tables, const char* ahead) {
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-  EncodeFp4RowAvx512(row, scale, data, tables);
+  EncodeFp4RowAvx512(row, scale, data, tables, ahead);
 #else
+  if (ahead != nullptr) RequestRowLines(ahead, 0, kBf16RowBytes / 64);
   EncodeFp4Tiles(row, scale, data, tables);
 #endif
 }
@@ -760,13 +777,14 @@ bool ScaleRow(Layout layout, const uint16_t* row, uint8_t* scale, const Fp4Table
   return WithLayout(layout, [&](auto l) HWY_ATTR { return ScaleRowT<l()>(row, scale, tables); });
 }
 
+// `ahead`: a row the coder requests into L2 as it goes (RequestRowLines), or null.
 void EncodeRow(Layout layout, const uint16_t* row, const uint8_t* scale, uint8_t* data,
-               const Fp4Tables& tables) {
+               const Fp4Tables& tables, const char* ahead) {
   WithLayout(layout, [&](auto l) HWY_ATTR {
     if constexpr (l() == Layout::kV41Fp4) {
-      EncodeFp4Row(row, scale, data, tables);
+      EncodeFp4Row(row, scale, data, tables, ahead);
     } else {
-      EncodeE4m3Row<l()>(row, scale, data);
+      EncodeE4m3Row<l()>(row, scale, data, ahead);
     }
   });
 }
@@ -795,7 +813,7 @@ void QuantizeRow(Layout layout, const uint16_t* row, uint8_t* data, uint8_t* sca
     reference::QuantizeRow(layout, row, data, scale);
     return;
   }
-  EncodeRow(layout, row, scale_row, data, tables);
+  EncodeRow(layout, row, scale_row, data, tables, /*ahead=*/nullptr);
   std::memcpy(scale, scale_row, GetLayoutInfo(layout).scale_bytes);
 }
 
@@ -813,7 +831,8 @@ bool ScaleRowsImpl(Layout layout, const uint16_t* rows, int64_t count, uint8_t* 
 // them) is requested from memory, so a block-by-block store keeps DRAM busy while it codes.
 // Into L2 (it is read a block later): on two Intel cores that did as well as into L1 or
 // better, and splitting the request between the scale and coding passes did worse on one of
-// them (bench/RESULTS.md).
+// them; spread over the coding steps (EncodeRow's `ahead`) it did better on both
+// (bench/RESULTS.md).
 void EncodeRowsPrefetching(const PoolGeometry& geometry, const uint16_t* rows,
                            const uint8_t* scales, const int64_t* locs, int64_t count,
                            uint8_t* pool, bool stream, const uint16_t* next, int64_t next_count) {
@@ -822,10 +841,8 @@ void EncodeRowsPrefetching(const PoolGeometry& geometry, const uint16_t* rows,
   const int data_bytes = static_cast<int>(locate.data_bytes);
   const int scale_bytes = static_cast<int>(locate.scale_bytes);
   for (int64_t i = 0; i < count; ++i) {
-    if (i < next_count) {
-      const char* ahead = reinterpret_cast<const char*>(next + i * kHeadDim);
-      for (int b = 0; b < kBf16RowBytes; b += 64) __builtin_prefetch(ahead + b, 0, 1);
-    }
+    const char* next_row =
+        i < next_count ? reinterpret_cast<const char*>(next + i * kHeadDim) : nullptr;
     if (i + kPrefetchRows < count) {
       const RecordOffsets ahead = locate(locs[i + kPrefetchRows]);
       if (stream) {
@@ -843,10 +860,10 @@ void EncodeRowsPrefetching(const PoolGeometry& geometry, const uint16_t* rows,
     const uint8_t* scale = scales + i * scale_bytes;
     if (stream) {
       alignas(64) uint8_t data[kNopeDim + kRopeDim * 2];
-      EncodeRow(geometry.layout, rows + i * kHeadDim, scale, data, tables);
+      EncodeRow(geometry.layout, rows + i * kHeadDim, scale, data, tables, next_row);
       StreamCopy(data, pool + at.data, data_bytes);
     } else {
-      EncodeRow(geometry.layout, rows + i * kHeadDim, scale, pool + at.data, tables);
+      EncodeRow(geometry.layout, rows + i * kHeadDim, scale, pool + at.data, tables, next_row);
     }
     std::memcpy(pool + at.scale, scale, scale_bytes);
   }
