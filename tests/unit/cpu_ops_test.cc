@@ -323,7 +323,7 @@ TEST(CpuStreamingTest, OutputsBeyondTheCachesGiveTheReferenceBytesAtAnyAlignment
   ASSERT_TRUE(reference::Transcode(g, expected, v41, expected_v41, locs).ok());
   cpu::ThreadPool workers(2);
   ForEachCpuTarget([&] {
-    for (const size_t misalign : {0, 24}) {
+    for (const size_t misalign : {0, 2, 24, 62}) {
       for (cpu::ThreadPool* threads : {static_cast<cpu::ThreadPool*>(nullptr), &workers}) {
         std::vector<uint8_t> pool_storage;
         const std::span<uint8_t> pool = AtAlignment(pool_storage, g.pool_bytes(), misalign);
@@ -334,6 +334,14 @@ TEST(CpuStreamingTest, OutputsBeyondTheCachesGiveTheReferenceBytesAtAnyAlignment
         const std::span<uint16_t> out = AtAlignment(out_storage, rows.size(), misalign);
         ASSERT_TRUE(cpu::DequantizeGather(g, pool, locs, out, kHeadDim, threads).ok());
         EXPECT_TRUE(std::equal(out.begin(), out.end(), expected_rows.begin())) << misalign;
+        // The workspace's lines are streamed whole where the rows cover them whole; the
+        // bytes around it, in the lines it begins and ends inside, are not written.
+        EXPECT_TRUE(std::all_of(out_storage.data(), out.data(),
+                                [](uint16_t v) { return v == 0x5A; }))
+            << misalign;
+        EXPECT_TRUE(std::all_of(out.data() + out.size(), out_storage.data() + out_storage.size(),
+                                [](uint16_t v) { return v == 0x5A; }))
+            << misalign;
         std::vector<uint8_t> transcoded_storage;
         const std::span<uint8_t> transcoded =
             AtAlignment(transcoded_storage, v41.pool_bytes(), misalign);
