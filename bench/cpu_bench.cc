@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,25 @@ struct Options {
   int reps = 5;
   std::string target;  // empty: the best instruction set
 };
+
+// Pools are allocated as the daemon's backends allocate them, 64-byte aligned (a record's
+// data row then starts and ends on cache lines); std::vector's large blocks start 16 bytes
+// past one. The workspaces stay std::vectors: the cpu path streams them at any alignment.
+template <typename T>
+struct LineAligned {
+  using value_type = T;
+  LineAligned() = default;
+  template <typename U>
+  LineAligned(const LineAligned<U>&) {}  // NOLINT: allocator rebinding
+  T* allocate(size_t n) {
+    void* p = std::aligned_alloc(64, (n * sizeof(T) + 63) / 64 * 64);
+    if (p == nullptr) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t) { std::free(p); }
+  friend bool operator==(const LineAligned&, const LineAligned&) { return true; }
+};
+using PoolBytes = std::vector<uint8_t, LineAligned<uint8_t>>;
 
 // Median wall time of `reps` calls of fn, after one untimed call (page faults, tables).
 double MedianSeconds(int reps, const std::function<void()>& fn) {
@@ -169,7 +189,7 @@ int Main(int argc, char** argv) {
     // A pool twice the request: scattered locations are a random half of its slots.
     const PoolGeometry g{layout, kPageSize, 2 * n / kPageSize};
     const std::vector<int64_t> scattered = testing::ScatteredLocations(n, g.num_tokens(), 2);
-    std::vector<uint8_t> pool(g.pool_bytes(), 0);
+    PoolBytes pool(g.pool_bytes(), 0);
     const char* name = LayoutName(layout);
     const double record = GetLayoutInfo(layout).bytes_per_token();
     const double bytes = kBf16RowBytes + kLocationBytes + record;
@@ -196,7 +216,7 @@ int Main(int argc, char** argv) {
     }
     if (layout != Layout::kV4) {
       const PoolGeometry to{Layout::kV4, kPageSize, g.num_pages};
-      std::vector<uint8_t> dst(to.pool_bytes(), 0);
+      PoolBytes dst(to.pool_bytes(), 0);
       measure(
           "transcode to v4", name, "sequential",
           record + kLocationBytes + GetLayoutInfo(Layout::kV4).bytes_per_token(),
@@ -209,7 +229,7 @@ int Main(int argc, char** argv) {
   // a page buffer; GB/s counts bytes read plus written (zeroing: written).
   const PoolGeometry v4{Layout::kV4, kPageSize, 2 * n / kPageSize};
   const PageCopyGeometry pg{v4.page_bytes(), v4.num_pages, 1};
-  std::vector<uint8_t> pool(pg.pool_bytes(), 3);
+  PoolBytes pool(pg.pool_bytes(), 3);
   std::vector<int64_t> pages(n / kPageSize);
   for (size_t i = 0; i < pages.size(); ++i) pages[i] = 2 * static_cast<int64_t>(i);
   std::vector<uint8_t> buffer(pg.buffer_bytes(pages.size()), 4);
@@ -249,7 +269,7 @@ int Main(int argc, char** argv) {
     std::printf("| %s |", ops[op]);
     for (const Layout layout : {Layout::kV4, Layout::kV41, Layout::kV41Fp4}) {
       const PoolGeometry g{layout, kPageSize, kInCache / kPageSize};
-      std::vector<uint8_t> small_pool(g.pool_bytes(), 0);
+      PoolBytes small_pool(g.pool_bytes(), 0);
       Check(cpu::QuantizeStore(g, small, first, small_pool));
       const double ns = best_ns([&] {
         if (op == 0) Check(cpu::QuantizeStore(g, small, first, small_pool));

@@ -902,9 +902,13 @@ void EncodeRowsPrefetching(const PoolGeometry& geometry, const uint16_t* rows,
       if (stream) {
         // Streamed data lines are written whole without being read: requesting them would
         // read each from DRAM for nothing. Only the partial lines at either end of the data
-        // row (ordinary stores) and the scale row's line are wanted in the cache.
-        __builtin_prefetch(pool + ahead.data, 1);
-        __builtin_prefetch(pool + ahead.data + data_bytes - 1, 1);
+        // row (ordinary stores), where it has any (a pool aligned as the backends allocate
+        // them has none), and the scale row's line are wanted in the cache.
+        const uint8_t* data = pool + ahead.data;
+        if (reinterpret_cast<uintptr_t>(data) % 64 != 0) __builtin_prefetch(data, 1);
+        if (reinterpret_cast<uintptr_t>(data + data_bytes) % 64 != 0) {
+          __builtin_prefetch(data + data_bytes - 1, 1);
+        }
         __builtin_prefetch(pool + ahead.scale, 1);
       } else {
         PrefetchRecord(pool + ahead.data, data_bytes, pool + ahead.scale, /*for_write=*/true);
