@@ -668,7 +668,9 @@ HWY_INLINE void EncodeFp4RowAvx512(const uint16_t* row, const uint8_t* scale, ui
         _mm256_castsi128_si256(
             _mm_load_si128(reinterpret_cast<const __m128i*>(tables.windowed[codes[t]]))),
         _mm_load_si128(reinterpret_cast<const __m128i*>(tables.windowed[codes[t + 1]])), 1);
-    const __m512i table = _mm512_zextsi256_si512(both);  // entries 16-31 are never looked up
+    // Entries 16-31 are never looked up (indices stay below 16): left undefined, which spares
+    // the instruction that would zero them.
+    const __m512i table = _mm512_castsi256_si512(both);
     const __m512i bits = _mm512_loadu_si512(row + t * 16);
     const __m512i a = _mm512_and_si512(bits, magnitude);
     const __m512i window = _mm512_srli_epi16(
