@@ -305,8 +305,8 @@ HWY_INLINE bool CodeE4m3Tiles(const uint16_t* row, uint8_t* data, const uint8_t*
 }
 
 #if HWY_ARCH_X86 && HWY_TARGET == HWY_AVX3_DL
-// CodeE4m3Tiles<..., kExact = false> where AVX-512 has VBMI, 64 values a step, each tile's
-// whole 64-byte line of codes in one store. On Intel cores only port 0 runs 512-bit shifts,
+// CodeE4m3Tiles<..., kExact = false> where AVX-512 has VBMI, 64 values a step, their 64
+// codes in one store. On Intel cores only port 0 runs 512-bit shifts,
 // saturating subtractions and minima, and only port 5 shuffles; CodeE4m3Tiles' three shifts
 // a vector (the rounding bit, the code, the sign) and its clamp leave port 0 the bottleneck.
 // Here:
