@@ -75,34 +75,15 @@ HWY_INLINE void RequestRowLines(const char* row, int from, int to) {
   for (int line = from; line < to; ++line) __builtin_prefetch(row + line * 64, 0, 1);
 }
 
-// Copies `bytes` from a scratch record in L1 to dst, the whole 64-byte lines of dst with
-// non-temporal stores: a line written whole need not be read into the cache first, which
-// saves a DRAM read per written byte when the output is far larger than the caches. The
-// partial lines at either end (dst need not be aligned) take ordinary stores.
-HWY_INLINE void StreamCopy(const uint8_t* src, uint8_t* dst, int bytes) {
-  const hn::CappedTag<uint8_t, 64> d;
-  const int n = static_cast<int>(hn::Lanes(d));
-  const int head = static_cast<int>((64 - reinterpret_cast<uintptr_t>(dst) % 64) % 64);
-  if (head >= bytes) {
-    std::memcpy(dst, src, bytes);
-    return;
-  }
-  std::memcpy(dst, src, head);
-  int i = head;
-  for (; i + 64 <= bytes; i += 64) {
-    for (int j = 0; j < 64; j += n) hn::Stream(hn::LoadU(d, src + i + j), d, dst + i + j);
-  }
-  std::memcpy(dst + i, src + i, bytes - i);
-}
-
 // Streams a contiguous output region written front to back in pieces of any length: every
-// 64-byte line wholly inside the region is written once, whole, with non-temporal stores,
-// the part of a piece that ends inside a line waiting in `pending_` for the next piece.
-// Only the region's first and last lines, where the region covers them in part, take
-// ordinary stores of the region's own bytes (the rest of such a line may be another
-// writer's). StreamCopy per row wrote each row's partial lines with ordinary stores, which
-// read the line from DRAM first: a gather into a workspace not aligned to 64 bytes ran at
-// 43-54 % of the copy instead of 71-79 % (bench/RESULTS.md).
+// 64-byte line wholly inside the region is written once, whole, with non-temporal stores (a
+// line written whole need not be read into the cache first, which saves a DRAM read per
+// written byte when the output is far larger than the caches), the part of a piece that
+// ends inside a line waiting in `pending_` for the next piece. Only the region's first and
+// last lines, where the region covers them in part, take ordinary stores of the region's
+// own bytes (the rest of such a line may be another writer's), which read the line from
+// DRAM first: streaming each row of a gather as a region of its own into a workspace not
+// aligned to 64 bytes ran at 43-54 % of the copy instead of 71-79 % (bench/RESULTS.md).
 class LineStream {
  public:
   explicit LineStream(uint8_t* begin) : next_(begin), begin_(Address(begin)) {}
@@ -148,6 +129,13 @@ class LineStream {
   const uintptr_t begin_;  // the region's first byte
   alignas(64) uint8_t pending_[64];  // the line of next_, its bytes before next_
 };
+
+// Copies `bytes` from a scratch record in L1 to dst as a region of one piece (LineStream).
+HWY_INLINE void StreamCopy(const uint8_t* src, uint8_t* dst, int bytes) {
+  LineStream region(dst);
+  region.Append(src, bytes);
+  region.Finish();
+}
 
 // bf16 magnitudes at or above this are NaN or Inf.
 constexpr int kNonFiniteMagnitude = 0x7F80;
@@ -968,15 +956,15 @@ void DequantizeRowsImpl(const PoolGeometry& geometry, const uint8_t* pool, const
     }
     const RecordOffsets at = locate(locs[i]);
     uint16_t* row = out + i * out_row_stride;
-    if (one_region) {
+    if (stream) {
       alignas(64) uint16_t scratch[kHeadDim];
       DequantizeRow(geometry.layout, pool + at.data, pool + at.scale, scratch, tables);
-      region.Append(reinterpret_cast<const uint8_t*>(scratch), kBf16RowBytes);
-    } else if (stream) {
-      alignas(64) uint16_t scratch[kHeadDim];
-      DequantizeRow(geometry.layout, pool + at.data, pool + at.scale, scratch, tables);
-      StreamCopy(reinterpret_cast<const uint8_t*>(scratch), reinterpret_cast<uint8_t*>(row),
-                 kBf16RowBytes);
+      const auto* bytes = reinterpret_cast<const uint8_t*>(scratch);
+      if (one_region) {
+        region.Append(bytes, kBf16RowBytes);
+      } else {
+        StreamCopy(bytes, reinterpret_cast<uint8_t*>(row), kBf16RowBytes);
+      }
     } else {
       DequantizeRow(geometry.layout, pool + at.data, pool + at.scale, row, tables);
     }
