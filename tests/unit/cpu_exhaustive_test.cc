@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "common/cpu_targets.h"
+#include "cpu/fp4_tables.h"
 #include "common/golden.h"
 #include "common/random_rows.h"
 #include "gtest/gtest.h"
@@ -173,6 +174,23 @@ TEST_P(CpuExhaustiveTest, EveryFiniteAmaxGivesTheReferenceScaleAtEveryTilePositi
           << (checked ? "rows checked: " : "") << "pool byte " << diff.first - pool.begin();
     }
   });
+}
+
+// The 512-bit scale pass codes a V41_FP4 tile by arithmetic and Fp4Tables::scale_by_mantissa
+// where the amax is at least scale_fast_min, and by the scale_code table below it. The
+// formula must give the reference's code for every such amax, and must reach down to every
+// tile whose scale is a normal e4m3 value (amax / 6 >= 2^-6, amax >= 0.09375: bf16 0x3DC0),
+// or tiles of ordinary magnitudes would leave the fast path without any test failing.
+TEST(CpuFp4TablesTest, TheScaleFormulaGivesTheReferenceCodeWhereverTheScaleIsNormal) {
+  const cpu::internal::Fp4Tables& tables = cpu::internal::Fp4Tables::Get();
+  EXPECT_LE(tables.scale_fast_min, 0x3DC0);
+  for (int a = tables.scale_fast_min; a <= kMaxFiniteMagnitude; ++a) {
+    const int formula = std::min((a >> 4) + tables.scale_by_mantissa[a & 0x7F],
+                                 cpu::internal::kFp4ScaleFastLimit) & 0xFF;
+    ASSERT_EQ(formula, numerics::Fp4ScaleCode(numerics::Bf16ToFloat(static_cast<uint16_t>(a))))
+        << "amax bits " << a;
+    ASSERT_EQ(tables.scale_by_mantissa16[a & 0x7F], tables.scale_by_mantissa[a & 0x7F]);
+  }
 }
 
 // A pool whose records hold every code under every scale byte 0..255, including bytes no

@@ -1,6 +1,8 @@
 // Builds the V41_FP4 lookup tables from the scalar reference conversions.
 #include "cpu/fp4_tables.h"
 
+#include <algorithm>
+
 #include "kvferry/kernels/numerics.h"
 
 namespace kvferry::cpu::internal {
@@ -17,6 +19,19 @@ void Build(Fp4Tables& t) {
   for (int a = 0; a < 0x8000; ++a) {
     t.scale_code[a] = numerics::Fp4ScaleCode(numerics::Bf16ToFloat(static_cast<uint16_t>(a)));
   }
+  // The mantissa table from the binade [1, 2) (scale 1/6..1/3, normal), then the smallest
+  // magnitude from which the formula gives scale_code's byte for every larger one.
+  for (int m = 0; m < 128; ++m) {
+    const int a = (127 << 7) | m;
+    t.scale_by_mantissa[m] = static_cast<uint8_t>(t.scale_code[a] - (a >> 4));
+    t.scale_by_mantissa16[m] = t.scale_by_mantissa[m];
+  }
+  auto fast = [&](int a) {
+    return std::min((a >> 4) + t.scale_by_mantissa[a & 0x7F], kFp4ScaleFastLimit) & 0xFF;
+  };
+  int fast_min = kMaxFiniteMagnitude + 1;
+  while (fast_min > 0 && fast(fast_min - 1) == t.scale_code[fast_min - 1]) --fast_min;
+  t.scale_fast_min = static_cast<uint16_t>(fast_min);
   for (int s = 0; s < 128; ++s) {
     // Codes 0 and 0x7F are never a store's scale; their rows are filled but unused.
     const float scale = numerics::E4m3ToFloat(static_cast<uint8_t>(s == 0 ? 1 : s));

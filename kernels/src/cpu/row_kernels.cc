@@ -5,6 +5,7 @@
 // rules), so each target computes the reference's bytes without depending on floating-point
 // state; cpu_ops_test proves it value by value on every target compiled in.
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -463,34 +464,78 @@ HWY_INLINE void Fp4ScaleCodes(hn::Vec<D8> amax, const Fp4Tables& tables, uint8_t
 }
 
 #if HWY_ARCH_X86 && HWY_TARGET <= HWY_AVX3
-// V41_FP4's scale row where vectors hold 512 bits: each vector holds two 16-value tiles,
-// so eight vectors reduce sixteen tiles in BlockwiseLargest's three rounds: block b of the
-// result holds, in lane j, vector j's maximum over block b; blocks 0-1 are tile 2j's values
-// and blocks 2-3 tile 2j + 1's. Half the vectors and merges of 256 bits for the same tiles.
+// V41_FP4's scale row where vectors hold 512 bits: each vector holds two 16-value tiles.
+// Each half row's eight vectors reduce in BlockwiseLargest's three rounds (block b of the
+// result holds, in lane j, vector j's maximum over block b: blocks 0-1 are tile 2j's values,
+// blocks 2-3 tile 2j + 1's), and one more round of 128-bit blocks leaves all 32 tiles' amax
+// in one vector. Their codes come from Fp4Tables::scale_by_mantissa: a shift, an in-register
+// lookup, an add and a minimum for all 32 (tiles with a subnormal scale, below
+// scale_fast_min, look theirs up in scale_code instead).
 HWY_INLINE bool ScaleFp4RowWide(const uint16_t* row, uint8_t* scale, const Fp4Tables& tables) {
   using DW = hn::CappedTag<uint16_t, 32>;
   using VW = hn::Vec<DW>;
   const DW dw;
-  const hn::Half<DW> dh;
-  const D8x16 d8;
-  const hn::CappedTag<uint16_t, 16> dtiles;  // 16 tiles' amax, their codes in one go
   const VW magnitude = hn::Set(dw, 0x7FFF);
-  auto row_max = hn::Zero(d8);
-  for (int g = 0; g < kHeadDim / 256; ++g) {  // 16 tiles of 16 values
+  VW halves[2];
+  for (int g = 0; g < 2; ++g) {  // 16 tiles of 16 values
     VW v[8];
     // Unrolled so that the vectors stay in registers (at -O2 GCC keeps the array in memory).
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) v[j] = hn::And(hn::LoadU(dw, row + g * 256 + j * 32), magnitude);
-    const VW r = BlockwiseLargest<DW>(v);
-    const auto low = hn::LowerHalf(dh, r), high = hn::UpperHalf(dh, r);
-    const auto even = hn::Max(hn::LowerHalf(d8, low), hn::UpperHalf(d8, low));    // tile 2j
-    const auto odd = hn::Max(hn::LowerHalf(d8, high), hn::UpperHalf(d8, high));  // 2j + 1
-    row_max = hn::Max(row_max, hn::Max(even, odd));
-    Fp4ScaleCodes<decltype(dtiles)>(hn::Combine(dtiles, hn::InterleaveUpper(d8, even, odd),
-                                                hn::InterleaveLower(d8, even, odd)),
-                                    tables, scale + g * 16);
+    halves[g] = BlockwiseLargest<DW>(v);
   }
-  return hn::GetLane(hn::MaxOfLanes(d8, row_max)) < kNonFiniteMagnitude;
+  // Lane 8 * b + j of `amax`: in block 0 tile 2j, block 1 tile 2j + 1, blocks 2-3 the same
+  // of tiles 16 and up.
+  constexpr auto lane = [](int t) { return (t & 16) + (t & 1) * 8 + (t & 15) / 2; };
+  const __m512i low = halves[0].raw, high = halves[1].raw;
+  const __m512i amax = _mm512_max_epu16(_mm512_shuffle_i64x2(low, high, _MM_SHUFFLE(2, 0, 2, 0)),
+                                        _mm512_shuffle_i64x2(low, high, _MM_SHUFFLE(3, 1, 3, 1)));
+  // Each lane's table entry (by the low 7 bits of its amax, the mantissa), then its code.
+#if HWY_TARGET == HWY_AVX3_DL
+  const __m512i entry = _mm512_maskz_permutex2var_epi8(
+      0x5555555555555555ull, _mm512_load_si512(tables.scale_by_mantissa), amax,
+      _mm512_load_si512(tables.scale_by_mantissa + 64));
+#else
+  const __m512i* entries = reinterpret_cast<const __m512i*>(tables.scale_by_mantissa16);
+  const __m512i entry = _mm512_mask_blend_epi16(
+      _mm512_test_epi16_mask(amax, _mm512_set1_epi16(0x40)),
+      _mm512_permutex2var_epi16(_mm512_load_si512(entries), amax, _mm512_load_si512(entries + 1)),
+      _mm512_permutex2var_epi16(_mm512_load_si512(entries + 2), amax,
+                                _mm512_load_si512(entries + 3)));
+#endif
+  const __m512i codes = _mm512_min_epu16(_mm512_add_epi16(_mm512_srli_epi16(amax, 4), entry),
+                                         _mm512_set1_epi16(kFp4ScaleFastLimit));
+  // Code t is the low byte of word lane(t).
+#if HWY_TARGET == HWY_AVX3_DL
+  alignas(64) static constexpr auto kOrder = [lane] {
+    std::array<uint8_t, 64> order{};
+    for (int t = 0; t < kHeadDim / 16; ++t) order[t] = static_cast<uint8_t>(2 * lane(t));
+    return order;
+  }();
+  const __m256i ordered = _mm512_castsi512_si256(
+      _mm512_permutexvar_epi8(_mm512_load_si512(kOrder.data()), codes));
+#else
+  alignas(64) static constexpr auto kOrder = [lane] {
+    std::array<uint16_t, 32> order{};
+    for (int t = 0; t < kHeadDim / 16; ++t) order[t] = static_cast<uint16_t>(lane(t));
+    return order;
+  }();
+  const __m256i ordered =
+      _mm512_cvtepi16_epi8(_mm512_permutexvar_epi16(_mm512_load_si512(kOrder.data()), codes));
+#endif
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(scale), ordered);
+  // Tiles whose scale is subnormal: their codes by scale_code.
+  const __mmask32 slow = _mm512_cmplt_epu16_mask(
+      amax, _mm512_set1_epi16(static_cast<int16_t>(tables.scale_fast_min)));
+  if (HWY_UNLIKELY(slow != 0)) {
+    alignas(64) uint16_t amaxes[32];
+    _mm512_store_si512(amaxes, amax);
+    for (int t = 0; t < kHeadDim / 16; ++t) {
+      const uint16_t a = amaxes[lane(t)];
+      if (a < tables.scale_fast_min) scale[t] = tables.scale_code[a];
+    }
+  }
+  return _mm512_cmpgt_epu16_mask(amax, _mm512_set1_epi16(kNonFiniteMagnitude - 1)) == 0;
 }
 #endif
 
