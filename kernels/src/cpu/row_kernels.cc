@@ -968,12 +968,15 @@ void EncodeRowsImpl(const PoolGeometry& geometry, const uint16_t* rows, const ui
   EncodeRowsPrefetching(geometry, rows, scales, locs, count, pool, stream, nullptr, 0);
 }
 
-// Rows known finite, in blocks of 64 (64 KiB of bf16): scaled, then coded while the block
+// Rows known finite, in blocks of 32 (32 KiB of bf16): scaled, then coded while the block
 // is still in the core's cache and the next block is on its way from memory. False (and
-// the store stopped part way) if a row was not finite after all.
+// the store stopped part way) if a row was not finite after all. A block fits L1 (48 KiB on
+// recent Intel cores), so the coding pass reads it from there rather than a second time
+// from L2: on an Intel core blocks of 32 stored 4-10 % faster than blocks of 64, and blocks
+// of 8, 16, 24 or 48 no faster than 32 (bench/RESULTS.md).
 bool StoreCheckedRowsImpl(const PoolGeometry& geometry, const uint16_t* rows, const int64_t* locs,
                           int64_t count, uint8_t* pool, bool stream) {
-  constexpr int64_t kBlock = 64;
+  constexpr int64_t kBlock = 32;
   alignas(64) uint8_t scales[kBlock * (kHeadDim / 16)];  // the largest scale row: 32 bytes
   for (int64_t at = 0; at < count; at += kBlock) {
     const int64_t n = std::min(kBlock, count - at);
