@@ -427,34 +427,52 @@ HWY_INLINE hn::Vec<D8x16> LargestPerVector(const hn::Vec<DU> (&v)[8]) {
   }
 }
 
-// numerics::Fp4ScaleCode of the tiles' amax bits in `amax` (8 lanes; 16 on AVX-512) into
-// codes[0..lanes). On AVX2 and up it is computed as the scalar rule does, in fp32 lanes: the
-// same IEEE product and clamps, then the e4m3 code by bit arithmetic (normal: 3 mantissa
-// bits rounded to nearest even by the carry trick; below 2^-6 the subnormal step count
-// rounded by adding 2^23); elsewhere by Fp4Tables' lookup, which the 32 KiB table makes a
-// cache miss on rows with varied magnitudes.
+// V41_FP4's scale of fp32 lanes holding tile amaxes, as the scalar rule computes it: the
+// same IEEE product and clamps.
+template <class DF>
+HWY_INLINE hn::Vec<DF> Fp4ScaleOf(DF df, hn::Vec<DF> amax) {
+  const auto s = hn::Mul(amax, hn::Set(df, numerics::BitsToFloat(0x3E2AAAABu)));  // fp32(1/6)
+  return hn::Min(hn::Max(s, hn::Set(df, 0.001953125f)), hn::Set(df, 448.0f));
+}
+
+// The e4m3 code of scales s below 2^-6 (subnormal): s * 2^9 rounded to an integer 1..8 (8 is
+// code 0x08) by adding 2^23.
+template <class DF>
+HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> Fp4SubnormalScaleCodes(DF df, hn::Vec<DF> s) {
+  const hn::RebindToSigned<DF> di32;
+  const auto steps = hn::Add(hn::Mul(s, hn::Set(df, 512.0f)), hn::Set(df, 8388608.0f));
+  return hn::Sub(hn::BitCast(di32, steps), hn::Set(di32, 0x4B000000));
+}
+
+// numerics::Fp4ScaleCode of fp32 lanes holding tile amaxes, as int32 lanes: the scale by
+// Fp4ScaleOf, then its e4m3 code by bit arithmetic (normal: 3 mantissa bits rounded to
+// nearest even by the carry trick).
+template <class DF>
+HWY_INLINE hn::Vec<hn::RebindToSigned<DF>> Fp4ScaleCodesOf(DF df, hn::Vec<DF> amax) {
+  const hn::RebindToSigned<DF> di32;
+  const auto s = Fp4ScaleOf(df, amax);
+  const auto u = hn::BitCast(di32, s);
+  // Normal (s >= 2^-6): exponent and 3 mantissa bits, RNE on the 20 bits dropped; s <= 448
+  // keeps the code at most 0x7E.
+  const auto rounded =
+      hn::Add(hn::Add(u, hn::Set(di32, 0x7FFFF)), hn::And(hn::ShiftRight<20>(u), hn::Set(di32, 1)));
+  const auto normal = hn::Sub(hn::ShiftRight<20>(rounded), hn::Set(di32, 120 << 3));
+  return hn::IfThenElse(hn::Lt(u, hn::Set(di32, 0x3C800000)), Fp4SubnormalScaleCodes(df, s),
+                        normal);
+}
+
+// numerics::Fp4ScaleCode of the tiles' amax bits in `amax` (8 lanes) into codes[0..8): on
+// AVX2 and up by Fp4ScaleCodesOf; elsewhere by Fp4Tables' lookup, which the 32 KiB table
+// makes a cache miss on rows with varied magnitudes. (A template so that only the branch of
+// the target compiles.)
 template <class D8 = D8x16>
 HWY_INLINE void Fp4ScaleCodes(hn::Vec<D8> amax, const Fp4Tables& tables, uint8_t* codes) {
   if constexpr (HWY_TARGET <= HWY_AVX2 && HWY_ARCH_X86) {
     const hn::Rebind<uint32_t, D8> du32;
-    const hn::Rebind<int32_t, D8> di32;
     const hn::Rebind<float, D8> df;
     const hn::Rebind<uint8_t, D8> dbytes;
     const auto value = hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du32, amax)));
-    auto s = hn::Mul(value, hn::Set(df, numerics::BitsToFloat(0x3E2AAAABu)));  // fp32(1/6)
-    s = hn::Min(hn::Max(s, hn::Set(df, 0.001953125f)), hn::Set(df, 448.0f));
-    const auto u = hn::BitCast(di32, s);
-    // Normal (s >= 2^-6): exponent and 3 mantissa bits, RNE on the 20 bits dropped; s <= 448
-    // keeps the code at most 0x7E.
-    const auto rounded =
-        hn::Add(hn::Add(u, hn::Set(di32, 0x7FFFF)), hn::And(hn::ShiftRight<20>(u), hn::Set(di32, 1)));
-    const auto normal = hn::Sub(hn::ShiftRight<20>(rounded), hn::Set(di32, 120 << 3));
-    // Subnormal (2^-9 <= s < 2^-6): s * 2^9 rounded to an integer 1..8 (8 is code 0x08).
-    const auto steps = hn::Add(hn::Mul(s, hn::Set(df, 512.0f)), hn::Set(df, 8388608.0f));
-    const auto subnormal = hn::Sub(hn::BitCast(di32, steps), hn::Set(di32, 0x4B000000));
-    const auto code =
-        hn::IfThenElse(hn::Lt(u, hn::Set(di32, 0x3C800000)), subnormal, normal);
-    hn::StoreU(hn::DemoteTo(dbytes, code), dbytes, codes);
+    hn::StoreU(hn::DemoteTo(dbytes, Fp4ScaleCodesOf(df, value)), dbytes, codes);
   } else {
     constexpr size_t kLanes = hn::MaxLanes(D8());
     alignas(32) uint16_t amaxes[kLanes];
@@ -503,8 +521,27 @@ HWY_INLINE bool ScaleFp4RowWide(const uint16_t* row, uint8_t* scale, const Fp4Ta
       _mm512_permutex2var_epi16(_mm512_load_si512(entries + 2), amax,
                                 _mm512_load_si512(entries + 3)));
 #endif
-  const __m512i codes = _mm512_min_epu16(_mm512_add_epi16(_mm512_srli_epi16(amax, 4), entry),
-                                         _mm512_set1_epi16(kFp4ScaleFastLimit));
+  __m512i codes = _mm512_min_epu16(_mm512_add_epi16(_mm512_srli_epi16(amax, 4), entry),
+                                   _mm512_set1_epi16(kFp4ScaleFastLimit));
+  // Tiles whose scale is subnormal (amax below scale_fast_min, at most 0x3DC0 by
+  // cpu_ops_test: scale below 2^-6): their codes by Fp4SubnormalScaleCodes, in two vectors of
+  // 16 fp32 lanes (a bf16 is the upper half of its fp32).
+  const __mmask32 subnormal = _mm512_cmplt_epu16_mask(
+      amax, _mm512_set1_epi16(static_cast<int16_t>(tables.scale_fast_min)));
+  if (HWY_UNLIKELY(subnormal != 0)) {
+    const hn::Full512<uint32_t> du32;
+    const hn::Full512<float> df;
+    const hn::Vec512<uint32_t> pairs{amax};
+    const auto codes_of = [&](hn::Vec512<uint32_t> bits) HWY_ATTR {
+      return hn::BitCast(du32, Fp4SubnormalScaleCodes(df, Fp4ScaleOf(df, hn::BitCast(df, bits))));
+    };
+    const auto even = codes_of(hn::ShiftLeft<16>(pairs));
+    const auto odd = codes_of(hn::And(pairs, hn::Set(du32, 0xFFFF0000u)));
+    // The low word of each even result and the odd one's shifted up (the results of tiles
+    // not subnormal can exceed 16 bits, and are not kept).
+    const __m512i both = _mm512_mask_blend_epi16(0xAAAAAAAAu, even.raw, hn::ShiftLeft<16>(odd).raw);
+    codes = _mm512_mask_blend_epi16(subnormal, codes, both);
+  }
   // Code t is the low byte of word lane(t).
 #if HWY_TARGET == HWY_AVX3_DL
   alignas(64) static constexpr auto kOrder = [lane] {
@@ -524,17 +561,6 @@ HWY_INLINE bool ScaleFp4RowWide(const uint16_t* row, uint8_t* scale, const Fp4Ta
       _mm512_cvtepi16_epi8(_mm512_permutexvar_epi16(_mm512_load_si512(kOrder.data()), codes));
 #endif
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(scale), ordered);
-  // Tiles whose scale is subnormal: their codes by scale_code.
-  const __mmask32 slow = _mm512_cmplt_epu16_mask(
-      amax, _mm512_set1_epi16(static_cast<int16_t>(tables.scale_fast_min)));
-  if (HWY_UNLIKELY(slow != 0)) {
-    alignas(64) uint16_t amaxes[32];
-    _mm512_store_si512(amaxes, amax);
-    for (int t = 0; t < kHeadDim / 16; ++t) {
-      const uint16_t a = amaxes[lane(t)];
-      if (a < tables.scale_fast_min) scale[t] = tables.scale_code[a];
-    }
-  }
   return _mm512_cmpgt_epu16_mask(amax, _mm512_set1_epi16(kNonFiniteMagnitude - 1)) == 0;
 }
 #endif
