@@ -488,7 +488,7 @@ HWY_INLINE void Fp4ScaleCodes(hn::Vec<D8> amax, const Fp4Tables& tables, uint8_t
 // blocks 2-3 tile 2j + 1's), and one more round of 128-bit blocks leaves all 32 tiles' amax
 // in one vector. Their codes come from Fp4Tables::scale_by_mantissa: a shift, an in-register
 // lookup, an add and a minimum for all 32 (tiles with a subnormal scale, below
-// scale_fast_min, look theirs up in scale_code instead).
+// scale_fast_min, take Fp4SubnormalScaleCodes instead).
 HWY_INLINE bool ScaleFp4RowWide(const uint16_t* row, uint8_t* scale, const Fp4Tables& tables) {
   using DW = hn::CappedTag<uint16_t, 32>;
   using VW = hn::Vec<DW>;
