@@ -177,7 +177,8 @@ TEST_P(CpuExhaustiveTest, EveryFiniteAmaxGivesTheReferenceScaleAtEveryTilePositi
 }
 
 // The 512-bit scale pass codes a V41_FP4 tile by arithmetic and Fp4Tables::scale_by_mantissa
-// where the amax is at least scale_fast_min, and by the scale_code table below it. The
+// where the amax is at least scale_fast_min, and by the fp32 rule's subnormal step below it
+// (which holds only where the scale is subnormal, amax below 0x3DC0). The
 // formula must give the reference's code for every such amax, and must reach down to every
 // tile whose scale is a normal e4m3 value (amax / 6 >= 2^-6, amax >= 0.09375: bf16 0x3DC0),
 // or tiles of ordinary magnitudes would leave the fast path without any test failing.
